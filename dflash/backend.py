@@ -1,0 +1,113 @@
+"""How MLX runs on this machine.
+
+On Linux the ``mlx[cpu]`` wheel links a reference BLAS (a few GFLOP/s). Speculative decoding only
+pays when a 16-row verify costs about as much as a one-token step, which needs a real BLAS: we load
+the system OpenBLAS with ``RTLD_GLOBAL`` *before* ``mlx.core`` so that MLX's ``cblas_*`` symbols
+resolve to it. The same reasoning makes float32 the compute dtype on the CPU: MLX's own fp16/bf16 and
+quantized CPU kernels are single-threaded and scale linearly with rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+import warnings
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+blas_status = "not-linux"
+
+
+def _find_openblas() -> str | None:
+    override = os.environ.get("DFLASH_OPENBLAS")
+    if override:
+        return override
+    for path in OPENBLAS_CANDIDATES:
+        if os.path.exists(path):
+            return path
+    return ctypes.util.find_library("openblas")
+
+
+def preload_openblas() -> str:
+    """Route MLX's CPU matmuls to OpenBLAS on Linux; returns a short status word."""
+    global blas_status
+    if platform.system() != "Linux":
+        blas_status = "not-linux"
+        return blas_status
+    if os.environ.get("DFLASH_NO_OPENBLAS"):
+        blas_status = "disabled"
+        return blas_status
+    if "openblas" in os.environ.get("LD_PRELOAD", ""):
+        blas_status = "openblas"
+        return blas_status
+    path = _find_openblas()
+    if "mlx.core" in sys.modules:
+        blas_status = "too-late"
+    elif path is None:
+        blas_status = "missing"
+    else:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            blas_status = "openblas"
+        except OSError:
+            blas_status = "missing"
+    if blas_status == "missing":
+        warnings.warn(
+            "dflash: OpenBLAS not found; MLX's CPU backend will use its slow reference BLAS and "
+            "speculative decoding will not pay. Install it with "
+            "`apt-get install libopenblas0-pthread`.",
+            stacklevel=2,
+        )
+    elif blas_status == "too-late":
+        warnings.warn(
+            "dflash: mlx was imported before dflash, so OpenBLAS could not be routed in; import "
+            "dflash first or run with LD_PRELOAD=libopenblas.so.0 for fast CPU matmuls.",
+            stacklevel=2,
+        )
+    return blas_status
+
+
+def on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu or not (mx.metal.is_available() or _cuda_available())
+
+
+def _cuda_available() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def compute_dtype():
+    """float32 on the CPU backend; ``None`` (keep the checkpoint's dtype) on Metal and CUDA."""
+    import mlx.core as mx
+
+    return mx.float32 if on_cpu() else None
+
+
+def prepare_for_backend(module, dtype=None) -> None:
+    """On the CPU: dequantize and cast floating parameters to float32. Elsewhere: nothing."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from mlx_lm.utils import dequantize_model
+
+    dtype = dtype or compute_dtype()
+    if dtype is None:
+        return
+    dequantize_model(module)
+    module.update(tree_map(
+        lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+        module.parameters(),
+    ))
+    mx.eval(module.parameters())
