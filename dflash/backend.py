@@ -99,7 +99,6 @@ def prepare_for_backend(module, dtype=None) -> None:
     """On the CPU: dequantize and cast floating parameters to float32. Elsewhere: nothing."""
     import mlx.core as mx
     from mlx.utils import tree_map
-
     from mlx_lm.utils import dequantize_model
 
     dtype = dtype or compute_dtype()

@@ -13,3 +13,24 @@ def load(path_or_hf_repo: str, tokenizer_config: dict | None = None, **kwargs):
                                    **kwargs)
     backend.prepare_for_backend(model)
     return model, tokenizer
+
+
+def load_draft(path_or_hf_repo: str, sliding_window_size: int | None = None):
+    """Load a DFlash drafter (Hugging Face bf16 or MLX-quantized checkpoint)."""
+    from .drafter import load_draft as _load_draft
+
+    return _load_draft(path_or_hf_repo, sliding_window_size=sliding_window_size)
+
+
+def load_default():
+    """The built-in pair: ``(model, tokenizer, draft)`` for SmolLM2-135M-Instruct."""
+    from .default_pair import default_draft_path, default_target_path
+
+    model, tokenizer = load(str(default_target_path()))
+    return model, tokenizer, load_draft(str(default_draft_path()))
+
+
+from .speculative import DFlashResponse, GenerationResult, generate, stream_generate  # noqa: E402
+
+__all__ = ["load", "load_draft", "load_default", "stream_generate", "generate",
+           "DFlashResponse", "GenerationResult"]

@@ -1,0 +1,270 @@
+"""The speculative loop: draft a block, verify it in one target pass, accept a prefix, roll back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .errors import GenerationConfigError
+from .sampling import BlockSampler, SamplingConfig
+from .target import VerifyTrace, check_compatible, forward, make_cache, rollback, target_parts
+
+
+@dataclass
+class DFlashResponse:
+    """One streamed step: the text and tokens of one cycle, plus running statistics."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    token: int | None = None
+    accepted: int = 0  # draft tokens accepted in this cycle
+    cycle_tau: int = 0  # tokens emitted by this cycle (accepted + 1)
+    mean_tau: float = 0.0
+    cycles: int = 0
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    peak_memory: float = 0.0
+    finish_reason: str | None = None
+    acceptance_by_position: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    stats: DFlashResponse
+
+
+def _stop_sequences(tokenizer, stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise GenerationConfigError(f"stop={stop!r}: stop strings must be non-empty strings")
+    return stops
+
+
+class _Detokenizer:
+    """Incremental text with stop strings; wraps mlx-lm's streaming detokenizer."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detok = tokenizer.detokenizer if tokenizer is not None else None
+        if self.detok is not None:
+            self.detok.reset()
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+
+    def add(self, tokens: list[int], final: bool) -> tuple[str, bool]:
+        """New text for ``tokens``; ``True`` when a stop string ended the output."""
+        if self.detok is None:
+            return "", False
+        for t in tokens:
+            self.detok.add_token(t)
+        if final:
+            self.detok.finalize()
+        self.text = self.detok.text
+        hit = False
+        if self.stops:
+            positions = [self.text.find(s, max(0, self.sent - len(s))) for s in self.stops]
+            positions = [p for p in positions if p >= 0]
+            if positions:
+                self.text = self.text[: min(positions)]
+                hit = True
+        # Hold back a tail that could be the start of a stop string.
+        hold = 0 if (hit or final) else max((len(s) - 1 for s in self.stops), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        segment = self.text[self.sent:end]
+        self.sent = end
+        return segment, hit
+
+
+def stream_generate(
+    model,
+    draft,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    block_size: int | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    seed: int | None = None,
+    *,
+    logit_bias: dict[int, float] | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: Sequence[Callable] | None = None,
+    proposal: str = "argmax",
+    presence_context_size: int = 20,
+    frequency_context_size: int = 20,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+) -> Generator[DFlashResponse, None, None]:
+    """Generate with DFlash speculative decoding, yielding one response per cycle.
+
+    Greedy output equals the target's own greedy output token for token; sampled output has the
+    target's distribution under the same settings (see :mod:`dflash.sampling`).
+    """
+    parts = target_parts(model)
+    check_compatible(parts, draft)
+    block_size = draft.block_size if block_size is None else block_size
+    if not isinstance(block_size, int) or block_size < 2:
+        raise GenerationConfigError(f"block_size={block_size!r}: must be an integer >= 2")
+    if not isinstance(max_tokens, int) or max_tokens < 0:
+        raise GenerationConfigError(f"max_tokens={max_tokens!r}: must be an integer >= 0")
+    if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+        raise GenerationConfigError(f"prefill_step_size={prefill_step_size!r}: must be >= 1")
+    cfg = SamplingConfig(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, presence_context_size=presence_context_size,
+        frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
+        logit_bias=logit_bias, sampler=sampler, logits_processors=logits_processors,
+        proposal=proposal, seed=seed)
+    cfg.validate(parts.vocab_size)
+    stops = _stop_sequences(tokenizer, stop)
+
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    else:
+        prompt_ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if not prompt_ids:
+        raise GenerationConfigError("prompt: must hold at least one token")
+    if any(not 0 <= t < parts.vocab_size for t in prompt_ids):
+        raise GenerationConfigError("prompt: token id outside the target vocabulary")
+    stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    stop_ids |= {int(t) for t in stop_token_ids or ()}
+
+    return _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens,
+                     BlockSampler(cfg), stops, stop_ids, prefill_step_size,
+                     prompt_progress_callback)
+
+
+def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler, stops,
+              stop_ids, prefill_step_size, progress) -> Generator[DFlashResponse, None, None]:
+    taps_ids = draft.target_layer_ids
+    cache = make_cache(parts)
+    dcache = draft.make_cache()
+    detok = _Detokenizer(tokenizer, stops)
+    stats = DFlashResponse(prompt_tokens=len(prompt_ids))
+    accepted_at = [0] * (block_size - 1)
+    proposed_at = [0] * (block_size - 1)
+    mx.reset_peak_memory()
+
+    # Prefill in chunks; the drafter sees every prompt row.
+    tic = time.perf_counter()
+    n = len(prompt_ids)
+    for start in range(0, n, prefill_step_size):
+        chunk = mx.array(prompt_ids[start:start + prefill_step_size])[None]
+        logits, taps = forward(parts, chunk, cache, taps_ids)
+        draft.append_context(taps, dcache)
+        mx.eval(logits[:, -1], [c.state for c in cache], [c.state for c in dcache])
+        if progress:
+            progress(min(start + prefill_step_size, n), n)
+    history = list(prompt_ids)
+    if max_tokens == 0:
+        stats.finish_reason = "length"
+        yield stats
+        return
+    anchor = int(sampler.sample(sampler.process(logits[0, -1:], history, [])).item())
+    stats.prompt_tps = n / (time.perf_counter() - tic)
+    tic = time.perf_counter()
+
+    emitted = [anchor]
+    hidden = None
+    cycle_tokens = 0
+    while True:
+        # Emit what the last cycle produced (the first time: the prefill's token).
+        finish = None
+        for j, t in enumerate(emitted):
+            if t in stop_ids:
+                emitted, finish = emitted[:j], "stop"
+                break
+        remaining = max_tokens - stats.generation_tokens
+        if len(emitted) >= remaining and finish is None:
+            emitted, finish = emitted[:remaining], "length"
+        history.extend(emitted)
+        stats.generation_tokens += len(emitted)
+        text, hit_stop = detok.add(emitted, final=finish is not None)
+        if hit_stop:
+            finish = "stop"
+        elapsed = time.perf_counter() - tic
+        stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        stats.acceptance_by_position = [a / p if p else 0.0
+                                        for a, p in zip(accepted_at, proposed_at)]
+        yield _snapshot(stats, text, emitted, finish)
+        if finish is not None:
+            return
+
+        # Draft: one pass over [anchor, MASK ...] with the new target features as context.
+        anchor = history[-1]
+        bs = min(block_size, max_tokens - stats.generation_tokens)
+        t0 = time.perf_counter()
+        if hidden is not None:
+            draft.append_context(hidden, dcache)
+        proposals, q = [], None
+        if bs > 1:
+            proposals, q = sampler.propose(draft.block_logits(parts, anchor, bs, dcache), history)
+            proposals = proposals.tolist()
+        t1 = time.perf_counter()
+
+        # Verify: one target pass over [anchor, proposals]; accept a prefix; roll back the rest.
+        trace = VerifyTrace()
+        verify_in = mx.array([anchor] + proposals)[None]
+        logits, taps = forward(parts, verify_in, cache, taps_ids, trace)
+        a, bonus = sampler.accept(logits[0], proposals, q, history)
+        rollback(cache, trace, keep=a + 1, verified=bs)
+        hidden = taps[:, : a + 1]
+        mx.eval(hidden, [c.state for c in cache])
+        t2 = time.perf_counter()
+
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.cycles += 1
+        cycle_tokens += a + 1
+        stats.mean_tau = cycle_tokens / stats.cycles
+        stats.accepted = a
+        stats.cycle_tau = a + 1
+        for j in range(bs - 1):
+            proposed_at[j] += 1
+            accepted_at[j] += j < a
+        emitted = proposals[:a] + [bonus]
+
+
+def _snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFlashResponse:
+    out = DFlashResponse(**{k: getattr(stats, k) for k in stats.__dataclass_fields__})
+    out.text, out.tokens, out.finish_reason = text, list(tokens), finish
+    out.token = tokens[-1] if tokens else None
+    out.acceptance_by_position = list(stats.acceptance_by_position)
+    return out
+
+
+def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> GenerationResult:
+    """Non-streaming :func:`stream_generate`: the whole text, the tokens and the final statistics."""
+    text, tokens, last = [], [], None
+    for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        text.append(r.text)
+        tokens.extend(r.tokens)
+        last = r
+        if verbose:
+            print(r.text, end="", flush=True)
+    if verbose:
+        print()
+    return GenerationResult("".join(text), tokens, last.finish_reason, last)
