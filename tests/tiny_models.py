@@ -10,9 +10,10 @@ import json
 import shutil
 from pathlib import Path
 
-import dflash  # noqa: F401  (routes OpenBLAS before mlx loads)
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
+
+import dflash  # noqa: F401  (routes OpenBLAS before mlx loads)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

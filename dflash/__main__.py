@@ -1,0 +1,8 @@
+"""``python -m dflash``: the same command line as ``dflash``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

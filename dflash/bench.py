@@ -1,0 +1,498 @@
+"""``dflash bench``: DFlash against mlx-lm's plain decoding of the same target, on the same tokens.
+
+For every prompt, both run from the same prompt token ids: mlx-lm's ``stream_generate`` (the
+target alone) and DFlash's ``stream_generate`` at each block size of the sweep. A warm-up comes
+first, the order alternates between prompts and repeats, and both are timed the same way (wall
+clock to the first token = prompt time; the rest = decode time). At temperature 0 the outputs must
+be identical token for token; the report says whether they were.
+
+``run_bench(...)`` returns everything as a dict and, given ``out``, writes ``bench.json``,
+``bench.md``, ``speedup.png`` and ``acceptance.png`` there.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# A small built-in prompt set, written for this project: grade-school math word problems (where
+# DFlash drafters accept long runs) and short coding tasks.
+BUILTIN_PROMPTS: list[dict] = [
+    {"id": "math-apples", "prompt": "Mia picks 14 apples in the morning and twice as many in "
+     "the afternoon. She gives 9 apples to her neighbour and bakes 3 pies that use 4 apples "
+     "each. How many apples does she have left? Think step by step."},
+    {"id": "math-train", "prompt": "A train leaves at 9:40 and travels 210 km at an average "
+     "speed of 84 km per hour. At what time does it arrive? Explain your reasoning."},
+    {"id": "math-savings", "prompt": "Leo saves 15 dollars every week. He already has 48 "
+     "dollars and wants to buy a bike that costs 213 dollars. How many weeks does he need to "
+     "save? Show your work."},
+    {"id": "math-garden", "prompt": "A rectangular garden is 12 metres long and 7 metres wide. "
+     "A path 1 metre wide runs around the outside of it. What is the area of the path? Solve "
+     "it step by step."},
+    {"id": "math-books", "prompt": "A library has 360 books. One third are novels, a quarter "
+     "of the rest are science books, and the remaining books are split equally between history "
+     "and art. How many art books are there? Think step by step."},
+    {"id": "code-fizzbuzz", "prompt": "Write a Python function fizzbuzz(n) that returns a list "
+     "of strings for the numbers 1 to n, using Fizz, Buzz and FizzBuzz. Include a docstring."},
+    {"id": "code-palindrome", "prompt": "Write a Python function that checks whether a string "
+     "is a palindrome, ignoring case, spaces and punctuation. Add three example calls."},
+    {"id": "code-reverse-list", "prompt": "Explain how to reverse a singly linked list in "
+     "place, then write the code in Python with a small Node class."},
+]
+
+
+def parse_block_sizes(text: str | int | Sequence[int] | None) -> list[int | None]:
+    """``None`` (the drafter's), ``8``, ``"4,8,16"`` or ``[4, 8]`` -> a list of block sizes."""
+    if text is None:
+        return [None]
+    if isinstance(text, int):
+        values = [text]
+    elif isinstance(text, str):
+        try:
+            values = [int(v) for v in text.replace(" ", "").split(",") if v]
+        except ValueError:
+            raise ValueError("expected an integer or a comma-separated list like 4,8,16") \
+                from None
+    else:
+        values = [int(v) for v in text]
+    if not values:
+        raise ValueError("no block size given")
+    if any(v < 2 for v in values):
+        raise ValueError("block sizes must be >= 2")
+    return list(dict.fromkeys(values))
+
+
+def load_prompts(prompts: str | Path | Sequence[dict] = "builtin",
+                 limit: int | None = None) -> tuple[str, list[dict]]:
+    """``(source name, items)`` from ``"builtin"``, a JSONL file or a list of prompt dicts."""
+    if isinstance(prompts, (str, Path)) and str(prompts) == "builtin":
+        source, items = "builtin", [dict(p) for p in BUILTIN_PROMPTS]
+    elif isinstance(prompts, (str, Path)):
+        from .prompts import read_prompts
+
+        source, items = str(prompts), read_prompts(prompts)
+    else:
+        source, items = "list", [dict(p, id=str(p.get("id", f"prompt-{i}")))
+                                 for i, p in enumerate(prompts)]
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit={limit}: must be >= 1")
+        items = items[:limit]
+    return source, items
+
+
+# ---------------------------------------------------------------------------------------------
+# One timed run of each side
+
+
+def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: int) -> dict:
+    """mlx-lm's plain decoding of the target (``mlx_lm.generate.stream_generate``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate as lm_stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=sampling["temperature"], top_p=sampling["top_p"],
+                           min_p=sampling["min_p"], top_k=sampling["top_k"])
+    tokens: list[int] = []
+    tic = time.perf_counter()
+    first = None
+    for r in lm_stream_generate(pair.model, pair.tokenizer, list(ids), max_tokens=max_tokens,
+                                sampler=sampler):
+        if first is None:
+            first = time.perf_counter()
+        if r.finish_reason is None or r.finish_reason == "length":
+            tokens.append(int(r.token))
+    end = time.perf_counter()
+    return _timing(tokens, tic, first or end, end)
+
+
+def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
+                seed: int) -> dict:
+    from .model_mlx import stream_generate
+
+    tokens: list[int] = []
+    tic = time.perf_counter()
+    first, last = None, None
+    for r in stream_generate(pair.model, pair.draft, pair.tokenizer, list(ids),
+                             block_size=block_size, max_tokens=max_tokens, seed=seed, **sampling):
+        if first is None:
+            first = time.perf_counter()
+        tokens.extend(r.tokens)
+        last = r
+    end = time.perf_counter()
+    out = _timing(tokens, tic, first or end, end)
+    out.update(cycles=last.cycles, cycle_tokens=last.mean_tau * last.cycles,
+               tau=last.mean_tau, draft_time=last.draft_time, verify_time=last.verify_time,
+               acceptance_by_position=list(last.acceptance_by_position),
+               peak_memory_gb=last.peak_memory)
+    return out
+
+
+def _timing(tokens: list[int], tic: float, first: float, end: float) -> dict:
+    decode_time = end - first
+    decode_tokens = max(len(tokens) - 1, 0)
+    return {"tokens": tokens, "prompt_time": first - tic, "decode_time": decode_time,
+            "decode_tokens": decode_tokens,
+            "decode_tps": decode_tokens / decode_time if decode_time > 0 else 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: list[dict],
+                      greedy: bool) -> dict:
+    b_time = sum(r["decode_time"] for r in base_runs)
+    b_tok = sum(r["decode_tokens"] for r in base_runs)
+    d_time = sum(r["decode_time"] for r in runs)
+    d_tok = sum(r["decode_tokens"] for r in runs)
+    cycles = sum(r["cycles"] for r in runs)
+    b_tps = b_tok / b_time if b_time > 0 else 0.0
+    d_tps = d_tok / d_time if d_time > 0 else 0.0
+    width = max((len(r["acceptance_by_position"]) for r in runs), default=0)
+    acc = [0.0] * width
+    for r in runs:
+        for j, a in enumerate(r["acceptance_by_position"]):
+            acc[j] += a * r["cycles"]
+    acc = [a / cycles if cycles else 0.0 for a in acc]
+    identical = None
+    first_diff = None
+    if greedy:
+        pairs = [(b["tokens"], d["tokens"]) for b in base_runs for d in runs]
+        identical = all(b == d for b, d in pairs)
+        if not identical:
+            first_diff = next(_first_difference(b, d) for b, d in pairs if b != d)
+    return {
+        "id": item["id"],
+        "prompt_tokens": n_prompt,
+        "generated_tokens": len(runs[-1]["tokens"]),
+        "baseline": {
+            "tokens_per_s": b_tps,
+            "prompt_time": statistics.median(r["prompt_time"] for r in base_runs),
+            "decode_time": statistics.median(r["decode_time"] for r in base_runs),
+            "generated_tokens": len(base_runs[-1]["tokens"]),
+        },
+        "dflash": {
+            "tokens_per_s": d_tps,
+            "prompt_time": statistics.median(r["prompt_time"] for r in runs),
+            "decode_time": statistics.median(r["decode_time"] for r in runs),
+            "tau": sum(r["cycle_tokens"] for r in runs) / cycles if cycles else 0.0,
+            "cycles": cycles / len(runs),
+            "draft_time": statistics.median(r["draft_time"] for r in runs),
+            "verify_time": statistics.median(r["verify_time"] for r in runs),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in runs),
+            "acceptance_by_position": acc,
+        },
+        "speedup": d_tps / b_tps if b_tps > 0 else None,
+        "identical": identical,
+        "first_difference": first_diff,
+        "_totals": {"b_time": b_time, "b_tok": b_tok, "d_time": d_time, "d_tok": d_tok,
+                    "cycles": cycles, "cycle_tokens": sum(r["cycle_tokens"] for r in runs),
+                    "b_prompt": sum(r["prompt_time"] for r in base_runs),
+                    "d_prompt": sum(r["prompt_time"] for r in runs),
+                    "draft": sum(r["draft_time"] for r in runs),
+                    "verify": sum(r["verify_time"] for r in runs)},
+    }
+
+
+def _overall(prompts: list[dict]) -> dict:
+    t = {k: sum(p["_totals"][k] for p in prompts) for k in prompts[0]["_totals"]}
+    b_tps = t["b_tok"] / t["b_time"] if t["b_time"] > 0 else 0.0
+    d_tps = t["d_tok"] / t["d_time"] if t["d_time"] > 0 else 0.0
+    width = max(len(p["dflash"]["acceptance_by_position"]) for p in prompts)
+    acc, weight = [0.0] * width, 0.0
+    for p in prompts:
+        c = p["_totals"]["cycles"]
+        weight += c
+        for j, a in enumerate(p["dflash"]["acceptance_by_position"]):
+            acc[j] += a * c
+    speedups = [p["speedup"] for p in prompts if p["speedup"]]
+    identical = [p["identical"] for p in prompts if p["identical"] is not None]
+    return {
+        "tau": t["cycle_tokens"] / t["cycles"] if t["cycles"] else 0.0,
+        "baseline_tokens_per_s": b_tps,
+        "dflash_tokens_per_s": d_tps,
+        "speedup": d_tps / b_tps if b_tps > 0 else None,
+        "mean_prompt_speedup": statistics.mean(speedups) if speedups else None,
+        "baseline_prompt_time": t["b_prompt"],
+        "dflash_prompt_time": t["d_prompt"],
+        "baseline_decode_time": t["b_time"],
+        "dflash_decode_time": t["d_time"],
+        "draft_time": t["draft"],
+        "verify_time": t["verify"],
+        "acceptance_by_position": [a / weight if weight else 0.0 for a in acc],
+        "identical": all(identical) if identical else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def run_bench(model: str | None = None, draft: str | None = None,
+              prompts: str | Path | Sequence[dict] = "builtin",
+              block_sizes: Sequence[int | None] | str | int | None = None,
+              max_tokens: int = 256, repeats: int = 1, warmup: bool = True,
+              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+              seed: int = 0, chat_template: bool = True, system: str | None = None,
+              template_kwargs: dict | None = None, limit: int | None = None,
+              out: str | Path | None = None, log: Callable[[str], None] | None = None,
+              pair=None) -> dict:
+    """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
+
+    ``pair`` (a :class:`dflash.cli.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
+    (the built-in pair where ``None``).
+    """
+    say = log or (lambda _msg: None)
+    if isinstance(block_sizes, (list, tuple)) and None in block_sizes:
+        rest = [b for b in block_sizes if b is not None]
+        block_sizes = [None, *(parse_block_sizes(rest) if rest else [])]
+    else:
+        block_sizes = parse_block_sizes(block_sizes)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: must be an integer >= 1")
+    source, items = load_prompts(prompts, limit)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    from .sampling import SamplingConfig
+
+    SamplingConfig(**sampling, seed=seed).validate()
+    if pair is None:
+        from .cli import load_pair
+
+        pair = load_pair(model, draft, quiet=log is None)
+    sizes = [b or pair.draft.block_size for b in block_sizes]
+    sizes = list(dict.fromkeys(sizes))
+    from .prompts import encode_prompt
+
+    encoded = [encode_prompt(pair.tokenizer, item, chat_template=chat_template, system=system,
+                             **(template_kwargs or {})) for item in items]
+    greedy = temperature == 0
+
+    if warmup:
+        say("warming up ...")
+        n = min(16, max_tokens)
+        _run_baseline(pair, encoded[0], n, sampling, seed)
+        for bs in sizes:
+            _run_dflash(pair, encoded[0], n, bs, sampling, seed)
+
+    base_runs: list[list[dict]] = [[] for _ in items]
+    runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
+    total = repeats * len(items) * (1 + len(sizes))
+    done = 0
+    tic = time.perf_counter()
+    for rep in range(repeats):
+        for i, (item, ids) in enumerate(zip(items, encoded)):
+            order: list[int | None] = [None, *sizes]  # None: the baseline
+            if (rep + i) % 2:
+                order.reverse()
+            for which in order:
+                done += 1
+                if which is None:
+                    r = _run_baseline(pair, ids, max_tokens, sampling, seed)
+                    base_runs[i].append(r)
+                    what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
+                else:
+                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed)
+                    runs[which][i].append(r)
+                    what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
+                            f"{r['decode_tps']:.1f} tok/s, τ {r['tau']:.2f}")
+                say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
+    elapsed = time.perf_counter() - tic
+
+    result_runs = []
+    for bs in sizes:
+        per_prompt = []
+        for i, item in enumerate(items):
+            p = _summarise_prompt(item, len(encoded[i]), base_runs[i], runs[bs][i], greedy)
+            p["text"] = pair.tokenizer.decode(runs[bs][i][-1]["tokens"])
+            per_prompt.append(p)
+        overall = _overall(per_prompt)
+        for p in per_prompt:
+            p.pop("_totals")
+        result_runs.append({"block_size": bs, "prompts": per_prompt, "overall": overall})
+    identical = [r["overall"]["identical"] for r in result_runs]
+    result = {
+        "config": _environment(pair) | {
+            "prompts": source, "n_prompts": len(items), "max_tokens": max_tokens,
+            "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
+            "block_sizes": sizes, "elapsed_s": elapsed},
+        "runs": result_runs,
+        "identical": all(identical) if greedy else None,
+    }
+    best = max(result_runs, key=lambda r: r["overall"]["speedup"] or 0.0)
+    result["best"] = {"block_size": best["block_size"], **{
+        k: best["overall"][k] for k in ("tau", "speedup", "baseline_tokens_per_s",
+                                        "dflash_tokens_per_s")}}
+    if greedy and not result["identical"]:
+        bad = [f"{p['id']} (block {r['block_size']}, token {p['first_difference']})"
+               for r in result_runs for p in r["prompts"] if p["identical"] is False]
+        say("WARNING: greedy outputs differ from mlx-lm's on " + ", ".join(bad))
+    if out is not None:
+        write_outputs(result, out, log=say)
+    return result
+
+
+def _environment(pair) -> dict:
+    import mlx.core as mx
+
+    from . import __version__
+
+    try:
+        import mlx_lm
+
+        lm_version = mlx_lm.__version__
+    except (ImportError, AttributeError):
+        lm_version = None
+    return {"model": pair.model_path, "draft": pair.draft_path,
+            "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", None),
+            "mlx_lm": lm_version, "dflash": __version__, "platform": platform.platform(),
+            "machine": platform.machine(), "python": platform.python_version()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def _f(x, digits=2, suffix="") -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def _same(x) -> str:
+    return "n/a" if x is None else ("yes" if x else "**no**")
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        "# dflash bench",
+        "",
+        f"- target: `{cfg['model']}`",
+        f"- drafter: `{cfg['draft']}`",
+        f"- prompts: {cfg['prompts']} ({cfg['n_prompts']}), max tokens {cfg['max_tokens']}, "
+        f"temperature {cfg['temperature']}, repeats {cfg['repeats']}"
+        f"{', after a warm-up' if cfg['warmup'] else ''}",
+        f"- device: {cfg['device']} · {cfg['platform']} · mlx {cfg['mlx']} · "
+        f"mlx-lm {cfg['mlx_lm']} · dflash {cfg['dflash']}",
+        "- tokens/s are decode speeds (after the first token), same prompt token ids for both",
+        "",
+    ]
+    if len(result["runs"]) > 1:
+        lines += ["## Block size sweep", "",
+                  "| block size | τ | mlx-lm tok/s | dflash tok/s | speed-up | identical |",
+                  "|---:|---:|---:|---:|---:|:---:|"]
+        for r in result["runs"]:
+            o = r["overall"]
+            lines.append(f"| {r['block_size']} | {_f(o['tau'])} | "
+                         f"{_f(o['baseline_tokens_per_s'], 1)} | {_f(o['dflash_tokens_per_s'], 1)} | "
+                         f"{_f(o['speedup'], 2, '×')} | {_same(o['identical'])} |")
+        lines.append("")
+    for r in result["runs"]:
+        o = r["overall"]
+        lines += [f"## Block size {r['block_size']}", "",
+                  "| prompt | prompt tokens | tokens | mlx-lm tok/s | dflash tok/s | speed-up | τ "
+                  "| prompt time mlx-lm / dflash (s) | identical |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+        for p in r["prompts"]:
+            lines.append(
+                f"| {p['id']} | {p['prompt_tokens']} | {p['generated_tokens']} | "
+                f"{_f(p['baseline']['tokens_per_s'], 1)} | {_f(p['dflash']['tokens_per_s'], 1)} | "
+                f"{_f(p['speedup'], 2, '×')} | {_f(p['dflash']['tau'])} | "
+                f"{_f(p['baseline']['prompt_time'], 3)} / {_f(p['dflash']['prompt_time'], 3)} | "
+                f"{_same(p['identical'])} |")
+        lines.append(
+            f"| **all** | | | **{_f(o['baseline_tokens_per_s'], 1)}** | "
+            f"**{_f(o['dflash_tokens_per_s'], 1)}** | **{_f(o['speedup'], 2, '×')}** | "
+            f"**{_f(o['tau'])}** | {_f(o['baseline_prompt_time'], 3)} / "
+            f"{_f(o['dflash_prompt_time'], 3)} | {_same(o['identical'])} |")
+        busy = o["draft_time"] + o["verify_time"]
+        share = f" ({100 * o['draft_time'] / busy:.0f}% drafting)" if busy > 0 else ""
+        acc = " · ".join(f"{j + 1}: {a:.2f}" for j, a in enumerate(o["acceptance_by_position"]))
+        lines += ["", f"Draft {o['draft_time']:.2f} s / verify {o['verify_time']:.2f} s{share}.",
+                  "", f"Acceptance by block position: {acc}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def format_summary(result: dict) -> str:
+    """A few lines for the terminal."""
+    out = []
+    for r in result["runs"]:
+        o = r["overall"]
+        out.append(f"block {r['block_size']}: τ {_f(o['tau'])}, mlx-lm "
+                   f"{_f(o['baseline_tokens_per_s'], 1)} tok/s, dflash "
+                   f"{_f(o['dflash_tokens_per_s'], 1)} tok/s, speed-up {_f(o['speedup'], 2, '×')}"
+                   f", identical at T=0: {_same(o['identical']).strip('*')}")
+    return "\n".join(out)
+
+
+def write_outputs(result: dict, out: str | Path, log: Callable[[str], None] | None = None) -> dict:
+    """Write ``bench.json``, ``bench.md`` and the PNG plots into ``out``; return their paths."""
+    say = log or (lambda _msg: None)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    files["json"].write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    files["markdown"].write_text(markdown(result))
+    try:
+        files.update(plot(result, out))
+    except ImportError:
+        say("matplotlib is not installed: no plots (pip install 'dflash[bench]')")
+    say("wrote " + ", ".join(str(p) for p in files.values()))
+    return files
+
+
+def plot(result: dict, out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    runs = result["runs"]
+    ids = [p["id"] for p in runs[0]["prompts"]]
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(ids) + 2), 4))
+    for k, r in enumerate(runs):
+        xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(ids))]
+        ax.bar(xs, [p["speedup"] or 0.0 for p in r["prompts"]], width,
+               label=f"block {r['block_size']} (all: {_f(r['overall']['speedup'], 2, '×')})")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(ids)))
+    ax.set_xticklabels(ids, rotation=30, ha="right")
+    ax.set_ylabel("speed-up over mlx-lm (decode tok/s)")
+    ax.set_title("dflash speed-up per prompt")
+    ax.legend()
+    fig.tight_layout()
+    paths["speedup_png"] = out / "speedup.png"
+    fig.savefig(paths["speedup_png"], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        acc = r["overall"]["acceptance_by_position"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o",
+                label=f"block {r['block_size']} (τ {_f(r['overall']['tau'])})")
+    ax.set_xlabel("draft position in the block")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("acceptance by block position")
+    ax.legend()
+    fig.tight_layout()
+    paths["acceptance_png"] = out / "acceptance.png"
+    fig.savefig(paths["acceptance_png"], dpi=120)
+    plt.close(fig)
+    return paths

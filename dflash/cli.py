@@ -1,0 +1,621 @@
+"""The ``dflash`` command: generate, chat, serve, bench (and convert, datagen, train).
+
+Every subcommand has ``--help``. Errors a user can fix (a missing folder, a drafter that does not fit
+the target, a setting out of range) print one line on stderr and exit 1; an unavailable subcommand
+or a usage error exits 2; Ctrl-C exits 130. Set ``DFLASH_DEBUG=1`` to get tracebacks instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+
+PROG = "dflash"
+
+# Subcommands whose options and behaviour live in other modules, imported only when chosen.
+EXTERNAL = {
+    "convert": ("dflash.convert", "add_convert_args", "run_convert",
+                "convert a DFlash drafter to MLX, optionally quantized"),
+    "datagen": ("dflash.datagen", "add_datagen_args", "run_datagen",
+                "regenerate training responses with the target model"),
+    "train": ("dflash.train", "add_train_args", "run_train",
+              "train a DFlash drafter for a target model"),
+}
+
+
+class CLIError(Exception):
+    """A problem the user can fix; printed as one line, exit code ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def log(message: str, end: str = "\n") -> None:
+    """Progress and status on stderr, so that stdout carries only the output."""
+    print(f"{PROG}: {message}", file=sys.stderr, end=end, flush=True)
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, KeyError):
+        text = f"missing key {text}"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a target + drafter pair
+
+
+@dataclass
+class Pair:
+    """A loaded target, its tokenizer and a drafter that fits it."""
+
+    model: Any
+    tokenizer: Any
+    draft: Any
+    model_path: str
+    draft_path: str
+    config: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return Path(self.model_path.rstrip("/")).name or self.model_path
+
+    @property
+    def max_context(self) -> int | None:
+        cfg = self.config.get("text_config", self.config)
+        value = cfg.get("max_position_embeddings") or self.config.get("max_position_embeddings")
+        if value is None:
+            args = getattr(self.model, "args", None)
+            value = getattr(args, "max_position_embeddings", None)
+        return int(value) if value else None
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    return (text.count("/") == 1 and not text.startswith(("/", ".", "~"))
+            and all(part for part in text.split("/")))
+
+
+def check_model_path(path: str, option: str) -> str:
+    """A local folder with a ``config.json``, or a Hugging Face repo id; else ``CLIError``."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CLIError(f"{option} {path}: not a folder")
+        if not (p / "config.json").is_file():
+            raise CLIError(f"{option} {path}: no config.json in this folder, not a model folder")
+        return str(p)
+    if _looks_like_repo_id(path):
+        return path
+    raise CLIError(f"{option} {path}: no such folder")
+
+
+def default_paths(model: str | None, draft: str | None) -> tuple[str, str]:
+    """Fill in the built-in pair where ``--model``/``--draft`` were not given."""
+    from .default_pair import default_draft_path, default_target_path
+
+    if draft is None:
+        try:
+            draft = str(default_draft_path())
+        except FileNotFoundError as e:
+            raise CLIError(f"no --draft given and the built-in drafter is not available "
+                           f"({one_line(e)}); pass --model PATH --draft PATH") from None
+    if model is None:
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # keep stdout clean for --json
+                model = str(default_target_path())
+        except Exception as e:
+            raise CLIError(f"no --model given and the built-in target is not available "
+                           f"({one_line(e)}); pass --model PATH") from None
+    return model, draft
+
+
+def load_pair(model: str | None = None, draft: str | None = None, quiet: bool = False) -> Pair:
+    """Load target + drafter (the built-in pair for what is ``None``) and check they fit."""
+    model, draft = default_paths(model, draft)
+    model = check_model_path(str(model), "--model")
+    draft = check_model_path(str(draft), "--draft")
+    from .errors import DFlashError
+    from .model_mlx import load, load_draft
+    from .target import check_compatible, target_parts
+
+    say = (lambda *a, **k: None) if quiet else log
+    tic = time.perf_counter()
+    say(f"loading target {model} ...")
+    try:
+        target, tokenizer = load(model)
+    except Exception as e:
+        raise CLIError(f"--model {model}: cannot load it as an mlx-lm model ({one_line(e)})") \
+            from None
+    say(f"loading drafter {draft} ...")
+    try:
+        drafter = load_draft(draft)
+    except Exception as e:
+        raise CLIError(f"--draft {draft}: cannot load it as a DFlash drafter ({one_line(e)})") \
+            from None
+    try:
+        check_compatible(target_parts(target), drafter)
+    except DFlashError as e:
+        raise CLIError(f"--draft {draft} does not fit --model {model}: {one_line(e)}") from None
+    config = {}
+    cfg_file = Path(model) / "config.json"
+    if cfg_file.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            config = json.loads(cfg_file.read_text())
+    say(f"ready in {time.perf_counter() - tic:.1f} s (block size {drafter.block_size}, "
+        f"target layers {drafter.target_layer_ids})")
+    return Pair(target, tokenizer, drafter, model, draft, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared options
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--model", "-m", default=None,
+                   help="target: an mlx-lm model folder or Hugging Face repo id "
+                        "(default: the built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", "-d", default=None,
+                   help="DFlash drafter folder or repo id (default: the built-in drafter)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default {max_tokens})")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per draft block (default: the drafter's)")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="0 = greedy, exactly the target's output (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default 0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalise recently seen tokens (e.g. 1.1; default off)")
+    g.add_argument("--repetition-context-size", type=int, default=20,
+                   help="tokens the repetition penalty looks back over (default 20)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="(default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="(default 0)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--proposal", choices=("argmax", "sample"), default="argmax",
+                   help="how the drafter proposes when sampling: argmax (default, highest "
+                        "acceptance) or sample (rejection sampling); both are exact")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the text contains TEXT (repeatable)")
+    g.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill chunk (default 2048)")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompt format")
+    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--no-chat-template", action="store_true",
+                   help="feed the raw text, without the tokenizer's chat template")
+    g.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask the chat template for a thinking (or non-thinking) answer "
+                        "(default: the template's own default)")
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        repetition_context_size=args.repetition_context_size,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed, proposal=args.proposal, stop=args.stop,
+        prefill_step_size=args.prefill_step_size)
+
+
+def template_kwargs(args: argparse.Namespace) -> dict:
+    return {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+
+
+def encode(pair: Pair, item: dict, args: argparse.Namespace) -> list[int]:
+    from .prompts import encode_prompt
+
+    return encode_prompt(pair.tokenizer, item, chat_template=not args.no_chat_template,
+                         system=args.system, **template_kwargs(args))
+
+
+def check_context(pair: Pair, n_prompt: int) -> None:
+    limit = pair.max_context
+    if limit is not None and n_prompt >= limit:
+        raise CLIError(f"the prompt has {n_prompt} tokens; the target's context holds {limit}")
+
+
+def prefill_progress(n_prompt: int, step: int):
+    """A callback that shows prefill progress on a terminal, for prompts of several chunks."""
+    if n_prompt <= step:
+        return None
+    log(f"prefill of {n_prompt} prompt tokens ...")
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        end = "\n" if done >= total else "\r"
+        print(f"\r{PROG}: prefill {done}/{total}", file=sys.stderr, end=end, flush=True)
+
+    return show
+
+
+def probe_target_tps(model, token: int, steps: int = 8) -> float:
+    """Plain one-token decode speed of the target alone, measured at a short context."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.array([[int(token)]])
+
+    def step(y):
+        logits = model(y, cache=cache)
+        y = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+        mx.eval(y)
+        return y
+
+    y = step(y)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        y = step(y)
+    return steps / max(time.perf_counter() - tic, 1e-9)
+
+
+def stats_dict(r, target_tps: float | None = None) -> dict:
+    """The statistics of a finished generation (its last ``DFlashResponse``)."""
+    stats = {
+        "prompt_tokens": r.prompt_tokens,
+        "generation_tokens": r.generation_tokens,
+        "finish_reason": r.finish_reason,
+        "mean_tau": round(r.mean_tau, 4),
+        "cycles": r.cycles,
+        "prompt_tps": round(r.prompt_tps, 2),
+        "generation_tps": round(r.generation_tps, 2),
+        "draft_time": round(r.draft_time, 4),
+        "verify_time": round(r.verify_time, 4),
+        "peak_memory_gb": round(r.peak_memory, 4),
+        "acceptance_by_position": [round(a, 4) for a in r.acceptance_by_position],
+    }
+    if target_tps:
+        stats["target_only_tps_estimate"] = round(target_tps, 2)
+        stats["speedup_estimate"] = round(r.generation_tps / target_tps, 3)
+    return stats
+
+
+def stats_line(s: dict) -> str:
+    busy = s["draft_time"] + s["verify_time"]
+    share = f" ({100 * s['draft_time'] / busy:.0f}% drafting)" if busy > 0 else ""
+    parts = [f"τ {s['mean_tau']:.2f} over {s['cycles']} cycles",
+             f"{s['generation_tokens']} tokens at {s['generation_tps']:.1f} tok/s"]
+    if "speedup_estimate" in s:
+        parts.append(f"speed-up ≈ {s['speedup_estimate']:.2f}× "
+                     f"(target alone ≈ {s['target_only_tps_estimate']:.1f} tok/s)")
+    parts += [f"prompt {s['prompt_tokens']} tokens at {s['prompt_tps']:.0f} tok/s",
+              f"draft {s['draft_time']:.2f} s / verify {s['verify_time']:.2f} s{share}",
+              f"peak {s['peak_memory_gb']:.2f} GB", f"finish: {s['finish_reason']}"]
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise CLIError("give the prompt with --prompt TEXT or on stdin", code=2)
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise CLIError("the prompt is empty", code=2)
+    pair = load_pair(args.model, args.draft)
+    ids = encode(pair, {"prompt": prompt}, args)
+    check_context(pair, len(ids))
+    from .model_mlx import stream_generate
+
+    responses = stream_generate(
+        pair.model, pair.draft, pair.tokenizer, ids,
+        prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
+        **generation_kwargs(args))
+    text, tokens, last = [], [], None
+    for r in responses:
+        text.append(r.text)
+        tokens.extend(r.tokens)
+        last = r
+        if not args.json and r.text:
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+    target_tps = None
+    if not args.no_speedup_estimate and last.generation_tokens > 1:
+        target_tps = probe_target_tps(pair.model, ids[-1])
+    stats = stats_dict(last, target_tps)
+    if args.json:
+        print(json.dumps({"model": pair.model_path, "draft": pair.draft_path,
+                          "text": "".join(text), "tokens": tokens,
+                          "finish_reason": last.finish_reason, "stats": stats},
+                         ensure_ascii=False))
+    else:
+        if text and not "".join(text).endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(stats_line(stats), file=sys.stderr, flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+
+CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quits"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    pair = load_pair(args.model, args.draft)
+    from .model_mlx import stream_generate
+
+    interactive = sys.stdin.isatty()
+    log(f"chatting with {pair.name}; {CHAT_HELP}")
+    messages: list[dict] = []
+    totals = {"turns": 0, "tokens": 0, "cycles": 0, "cycle_tokens": 0.0, "time": 0.0,
+              "draft": 0.0, "verify": 0.0}
+    last_stats: dict | None = None
+    kwargs = generation_kwargs(args)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit", "/bye"):
+            return 0
+        if line in ("/help", "/?"):
+            print(CHAT_HELP, flush=True)
+            continue
+        if line == "/reset":
+            messages.clear()
+            print("[conversation cleared]", flush=True)
+            continue
+        if line == "/stats":
+            print(chat_stats(totals, last_stats), flush=True)
+            continue
+        if line.startswith("/"):
+            print(f"[unknown command {line.split()[0]}; {CHAT_HELP}]", flush=True)
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = encode(pair, {"messages": messages}, args)
+        try:
+            check_context(pair, len(ids))
+        except CLIError as e:
+            messages.pop()
+            print(f"[{e}; /reset to start over]", flush=True)
+            continue
+        answer, last = [], None
+        tic = time.perf_counter()
+        try:
+            for r in stream_generate(
+                    pair.model, pair.draft, pair.tokenizer, ids,
+                    prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
+                    **kwargs):
+                answer.append(r.text)
+                last = r
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            messages.pop()  # the unfinished turn is dropped
+            print("\n[interrupted]", flush=True)
+            continue
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(answer)})
+        last_stats = stats_dict(last)
+        totals["turns"] += 1
+        totals["tokens"] += last.generation_tokens
+        totals["cycles"] += last.cycles
+        totals["cycle_tokens"] += last.mean_tau * last.cycles
+        totals["time"] += time.perf_counter() - tic
+        totals["draft"] += last.draft_time
+        totals["verify"] += last.verify_time
+        if not args.quiet:
+            print(f"[τ {last.mean_tau:.2f} · {last.generation_tps:.1f} tok/s · "
+                  f"{last.generation_tokens} tokens]", file=sys.stderr, flush=True)
+
+
+def chat_stats(totals: dict, last: dict | None) -> str:
+    if last is None:
+        return "[no answers yet]"
+    tau = totals["cycle_tokens"] / totals["cycles"] if totals["cycles"] else 0.0
+    acc = " ".join(f"{a:.2f}" for a in last["acceptance_by_position"])
+    return (f"[conversation: {totals['turns']} answers, {totals['tokens']} tokens, mean τ "
+            f"{tau:.2f}, draft {totals['draft']:.2f} s / verify {totals['verify']:.2f} s]\n"
+            f"[last answer: {stats_line(last)}]\n"
+            f"[last answer acceptance by block position: {acc}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# serve, bench
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    return serve(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_summary, parse_block_sizes, run_bench
+
+    try:
+        block_sizes = parse_block_sizes(args.block_size)
+    except ValueError as e:
+        raise CLIError(f"--block-size {args.block_size}: {e}", code=2) from None
+    result = run_bench(
+        model=args.model, draft=args.draft, prompts=args.prompts, block_sizes=block_sizes,
+        max_tokens=args.max_tokens, repeats=args.repeats, warmup=not args.no_warmup,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
+        template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log)
+    print(format_summary(result), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parser
+
+
+def _chosen_command(argv: list[str]) -> str | None:
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+def _external(name: str):
+    """``(add_args, run)`` of an external subcommand, or a one-line reason it is unavailable."""
+    module_name, add_name, run_name, _ = EXTERNAL[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        return None, f"`{PROG} {name}` is not available: {module_name} cannot be imported ({one_line(e)})"
+    add, run = getattr(module, add_name, None), getattr(module, run_name, None)
+    if add is None or run is None:
+        missing = add_name if add is None else run_name
+        return None, f"`{PROG} {name}` is not available: {module_name} has no {missing}()"
+    return (add, run), None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="DFlash block-diffusion speculative decoding on MLX: the target "
+        "model's exact output, several times faster.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="generate text for one prompt, with statistics",
+                       description="Generate text for one prompt (from --prompt or stdin), "
+                       "streamed to stdout; statistics go to stderr (or into --json).")
+    add_model_args(p)
+    p.add_argument("--prompt", "-p", default=None, help="the prompt (default: read stdin)")
+    add_prompt_args(p)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, tokens, stats) instead of streaming")
+    p.add_argument("--no-speedup-estimate", action="store_true",
+                   help="skip the short target-only probe behind the speed-up estimate")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat in the terminal",
+                       description="Multi-turn chat in the terminal, streamed. " + CHAT_HELP + ".")
+    add_model_args(p)
+    add_prompt_args(p)
+    add_sampling_args(p, max_tokens=1024)
+    p.add_argument("--quiet", "-q", action="store_true", help="no statistics after each answer")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
+                       "/health and /metrics (Prometheus).")
+    add_model_args(p)
+    from .server import add_serve_args
+
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="measure the speed-up over plain mlx-lm decoding",
+                       description="Run mlx-lm's plain decoding and dflash on the same prompt "
+                       "tokens, alternating, after a warm-up; report τ, tokens/s, speed-up, "
+                       "acceptance by block position, and whether greedy outputs are identical.")
+    add_model_args(p)
+    p.add_argument("--prompts", default="builtin",
+                   help="JSONL file (one object a line with `prompt` or `messages`) or "
+                        "`builtin` (math word problems and coding tasks; default)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--block-size", default=None,
+                   help="block size or comma-separated list to sweep, e.g. 4,8,16 "
+                        "(default: the drafter's)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="(default 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    add_prompt_args(p)
+    p.add_argument("--out", default=None,
+                   help="folder for bench.json, bench.md and the PNG plots")
+    p.set_defaults(func=cmd_bench)
+
+    chosen = _chosen_command(argv or [])
+    for name, (_, _, _, help_text) in EXTERNAL.items():
+        funcs = _external(name)[0] if name == chosen else None
+        if funcs is None:  # not chosen (or unavailable: main() reports it before parsing)
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        add, run = funcs
+        p = sub.add_parser(name, help=help_text,
+                           description=help_text[:1].upper() + help_text[1:] + ".")
+        add(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+def _unavailable(reason: str) -> int:
+    print(f"{PROG}: {reason}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = _chosen_command(argv)
+    if chosen in EXTERNAL:
+        reason = _external(chosen)[1]
+        if reason is not None:
+            return _unavailable(reason)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    name = f"{PROG} {args.command}"
+    debug = bool(os.environ.get("DFLASH_DEBUG"))
+    from .errors import DFlashError
+
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\n{name}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return 1
+    except CLIError as e:
+        if debug:
+            raise
+        print(f"{name}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return e.code
+    except (DFlashError, FileNotFoundError, ValueError, OSError, KeyError) as e:
+        if debug:
+            raise
+        print(f"{name}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
