@@ -1,3 +1,6 @@
+# isort: off
+import dflash  # noqa: F401  (routes OpenBLAS before anything imports mlx)
+# isort: on
 import sys
 from pathlib import Path
 
@@ -6,8 +9,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
-
-import dflash  # noqa: E402,F401  (OpenBLAS before mlx)
 
 KINDS = ("qwen3", "qwen3_5", "qwen3_5_wrapped", "llama")
 
