@@ -364,6 +364,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .model_mlx import stream_generate
 
     interactive = sys.stdin.isatty()
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
     log(f"chatting with {pair.name}; {CHAT_HELP}")
     messages: list[dict] = []
     totals = {"turns": 0, "tokens": 0, "cycles": 0, "cycle_tokens": 0.0, "time": 0.0,
@@ -579,6 +582,9 @@ def _unavailable(reason: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    for stream in (sys.stdout, sys.stderr):  # model text and "τ" on a non-UTF-8 terminal
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="replace")
     chosen = _chosen_command(argv)
     if chosen in EXTERNAL:
         reason = _external(chosen)[1]

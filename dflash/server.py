@@ -304,19 +304,31 @@ class Engine:
             raise self._load_error
         return self
 
-    def stop(self) -> None:
+    def cancel_all(self) -> None:
+        """Stop the running generation at its next cycle and drop every queued one."""
         job = self.current
         if job is not None:
             job.cancel.set()
+        kept = []
         while True:
             try:
                 pending = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if pending is not None:
+            if pending is None:
+                kept.append(pending)
+            else:
                 pending.cancel.set()
                 pending.emit("cancelled")
+        for item in kept:
+            self.jobs.put(item)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything and end the worker thread (MLX must be idle before exit)."""
+        self.cancel_all()
         self.jobs.put(None)
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     @property
     def queue_depth(self) -> int:
@@ -342,7 +354,9 @@ class Engine:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancel.is_set():
+            if job.cancel.is_set():  # its client left while it waited
+                with self.metrics.lock:
+                    self.metrics.cancelled += 1
                 job.emit("cancelled")
                 continue
             self.current = job
@@ -636,16 +650,25 @@ class Server:
             job.cancel.set()  # no-op when finished; stops the worker when the client left
 
     async def _collect(self, request, prompt_ids, kwargs):
+        """Run to the end; a client that leaves (even while queued) cancels the job."""
         text, last, job = [], None, None
-        watcher = asyncio.ensure_future(_watch_disconnect(request))
         gen = self._run(prompt_ids, kwargs)
+        watcher = asyncio.ensure_future(_watch_disconnect(request))
         try:
-            async for item in gen:
-                job, r = item
+            while True:
+                step = asyncio.ensure_future(gen.__anext__())
+                await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await step
+                    raise APIError(499, "the client closed the request", code="client_closed")
+                try:
+                    job, r = step.result()
+                except StopAsyncIteration:
+                    break
                 text.append(r.text)
                 last = r
-                if watcher.done():
-                    break
         finally:
             watcher.cancel()
             await gen.aclose()
@@ -955,13 +978,22 @@ def serve(args: argparse.Namespace) -> int:
         f"(max context {server.max_context}, reasoning split "
         f"{'on' if server.think_tags else 'off'}); Ctrl-C stops")
     config = uvicorn.Config(server.app, host=args.host, port=args.port,
-                            log_level=args.log_level, timeout_graceful_shutdown=2,
+                            log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))
-    userver = uvicorn.Server(config)
+    engine = server.engine
+
+    class UvicornServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # End open streams now (they get an in-band error and close), so that the graceful
+            # shutdown does not have to wait for long generations.
+            engine.cancel_all()
+            super().handle_exit(sig, frame)
+
+    userver = UvicornServer(config)
     try:
         userver.run()
     finally:
-        server.engine.stop()
+        engine.stop()
     if not userver.started:
         raise CLIError(f"could not listen on {args.host}:{args.port}")
     return 0
