@@ -276,6 +276,7 @@ def stats_dict(r, target_tps: float | None = None) -> dict:
     """The statistics of a finished generation (its last ``DFlashResponse``)."""
     stats = {
         "prompt_tokens": r.prompt_tokens,
+        "reused_prompt_tokens": r.reused_prompt_tokens,
         "generation_tokens": r.generation_tokens,
         "finish_reason": r.finish_reason,
         "mean_tau": round(r.mean_tau, 4),
@@ -361,8 +362,9 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 def cmd_chat(args: argparse.Namespace) -> int:
     pair = load_pair(args.model, args.draft)
-    from .model_mlx import stream_generate
+    from .model_mlx import PromptCache, stream_generate
 
+    prompt_cache = PromptCache()  # later turns prefill only what the conversation added
     interactive = sys.stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):
@@ -390,6 +392,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if line == "/reset":
             messages.clear()
+            prompt_cache.clear()
             print("[conversation cleared]", flush=True)
             continue
         if line == "/stats":
@@ -410,7 +413,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         tic = time.perf_counter()
         try:
             for r in stream_generate(
-                    pair.model, pair.draft, pair.tokenizer, ids,
+                    pair.model, pair.draft, pair.tokenizer, ids, prompt_cache=prompt_cache,
                     prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
                     **kwargs):
                 answer.append(r.text)

@@ -30,7 +30,8 @@ def load_default():
     return model, tokenizer, load_draft(str(default_draft_path()))
 
 
+from .prompt_cache import PromptCache  # noqa: E402
 from .speculative import DFlashResponse, GenerationResult, generate, stream_generate  # noqa: E402
 
 __all__ = ["load", "load_draft", "load_default", "stream_generate", "generate",
-           "DFlashResponse", "GenerationResult"]
+           "DFlashResponse", "GenerationResult", "PromptCache"]

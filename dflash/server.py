@@ -348,7 +348,11 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
-        from .model_mlx import stream_generate
+        from .model_mlx import PromptCache, stream_generate
+
+        # One worker serves every request, so one cache: shared prefixes (system prompts,
+        # earlier turns) are not prefilled again.
+        prompt_cache = PromptCache()
 
         while True:
             job = self.jobs.get()
@@ -364,7 +368,7 @@ class Engine:
             last = None
             try:
                 gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
-                                      job.prompt_ids, **job.kwargs)
+                                      job.prompt_ids, prompt_cache=prompt_cache, **job.kwargs)
                 for r in gen:
                     last = r
                     job.emit("chunk", r)
@@ -614,6 +618,7 @@ class Server:
         return {
             "mean_tau": round(r.mean_tau, 4),
             "cycles": r.cycles,
+            "reused_prompt_tokens": r.reused_prompt_tokens,
             "acceptance_by_position": [round(a, 4) for a in r.acceptance_by_position],
             "block_size": job.kwargs.get("block_size") or self.pair.draft.block_size,
             "prompt_tps": round(r.prompt_tps, 2),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .errors import GenerationConfigError
+from .prompt_cache import PromptCache
 from .sampling import BlockSampler, SamplingConfig
 from .target import VerifyTrace, check_compatible, forward, make_cache, rollback, target_parts
 
@@ -32,6 +33,7 @@ class DFlashResponse:
     verify_time: float = 0.0
     peak_memory: float = 0.0
     finish_reason: str | None = None
+    reused_prompt_tokens: int = 0
     acceptance_by_position: list[float] = field(default_factory=list)
 
 
@@ -114,11 +116,14 @@ def stream_generate(
     stop_token_ids: Sequence[int] | None = None,
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate with DFlash speculative decoding, yielding one response per cycle.
 
     Greedy output equals the target's own greedy output token for token; sampled output has the
-    target's distribution under the same settings (see :mod:`dflash.sampling`).
+    target's distribution under the same settings (see :mod:`dflash.sampling`). A
+    :class:`~dflash.prompt_cache.PromptCache` carries the caches over to the next call, which then
+    prefills only what its prompt does not share with the tokens already cached.
     """
     parts = target_parts(model)
     check_compatible(parts, draft)
@@ -153,14 +158,31 @@ def stream_generate(
 
     return _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens,
                      BlockSampler(cfg), stops, stop_ids, prefill_step_size,
-                     prompt_progress_callback)
+                     prompt_progress_callback, prompt_cache)
 
 
 def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler, stops,
-              stop_ids, prefill_step_size, progress) -> Generator[DFlashResponse, None, None]:
+              stop_ids, prefill_step_size, progress, prompt_cache
+              ) -> Generator[DFlashResponse, None, None]:
+    if prompt_cache is None:
+        yield from _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler,
+                           stops, stop_ids, prefill_step_size, progress,
+                           make_cache(parts), draft.make_cache(), 0, None)
+        return
+    cache, dcache, reused = prompt_cache.take(parts, draft, prompt_ids)
+    try:
+        yield from _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler,
+                           stops, stop_ids, prefill_step_size, progress, cache, dcache, reused,
+                           prompt_cache)
+    except BaseException:
+        prompt_cache.clear()  # caches may be mid-update
+        raise
+
+
+def _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler, stops,
+            stop_ids, prefill_step_size, progress, cache, dcache, reused, prompt_cache
+            ) -> Generator[DFlashResponse, None, None]:
     taps_ids = draft.target_layer_ids
-    cache = make_cache(parts)
-    dcache = draft.make_cache()
     detok = _Detokenizer(tokenizer, stops)
     stats = DFlashResponse(prompt_tokens=len(prompt_ids))
     accepted_at = [0] * (block_size - 1)
@@ -170,7 +192,7 @@ def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampl
     # Prefill in chunks; the drafter sees every prompt row.
     tic = time.perf_counter()
     n = len(prompt_ids)
-    for start in range(0, n, prefill_step_size):
+    for start in range(reused, n, prefill_step_size):
         chunk = mx.array(prompt_ids[start:start + prefill_step_size])[None]
         logits, taps = forward(parts, chunk, cache, taps_ids)
         draft.append_context(taps, dcache)
@@ -178,8 +200,15 @@ def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampl
         if progress:
             progress(min(start + prefill_step_size, n), n)
     history = list(prompt_ids)
+    fed = list(prompt_ids)  # exactly the tokens in the target cache
+    hidden = None
+    if prompt_cache is not None:
+        prompt_cache.snapshot(n)
+        stats.reused_prompt_tokens = reused
     if max_tokens == 0:
         stats.finish_reason = "length"
+        if prompt_cache is not None:
+            prompt_cache.store(parts, draft, cache, dcache, fed, hidden)
         yield stats
         return
     anchor = int(sampler.sample(sampler.process(logits[0, -1:], history, [])).item())
@@ -187,7 +216,6 @@ def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampl
     tic = time.perf_counter()
 
     emitted = [anchor]
-    hidden = None
     cycle_tokens = 0
     while True:
         # Emit what the last cycle produced (the first time: the prefill's token).
@@ -209,6 +237,8 @@ def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampl
         stats.peak_memory = mx.get_peak_memory() / 1e9
         stats.acceptance_by_position = [a / p if p else 0.0
                                         for a, p in zip(accepted_at, proposed_at)]
+        if finish is not None and prompt_cache is not None:
+            prompt_cache.store(parts, draft, cache, dcache, fed, hidden)
         yield _snapshot(stats, text, emitted, finish)
         if finish is not None:
             return
@@ -231,6 +261,7 @@ def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampl
         logits, taps = forward(parts, verify_in, cache, taps_ids, trace)
         a, bonus = sampler.accept(logits[0], proposals, q, history)
         rollback(cache, trace, keep=a + 1, verified=bs)
+        fed += [anchor] + proposals[:a]
         hidden = taps[:, : a + 1]
         mx.eval(hidden, [c.state for c in cache])
         t2 = time.perf_counter()
