@@ -6,22 +6,27 @@ Reference semantics: mlx-lm's ``generate_step`` with
 
 Row ``i`` of a verify pass predicts the token after ``history + proposals[:i]``; its logits
 processors must see that history, as mlx-lm's would one token at a time. The built-in processors
-(logit bias -> repetition -> presence -> frequency penalty, mlx-lm's order, semantics and dtype) are
-computed for all rows in one vectorised pass and are bit-identical to mlx-lm's applied row by row;
-custom processors (mlx-lm's ``(tokens, logits) -> logits`` form) follow, called row by row.
-Sampling filters run in mlx-lm's order (top_p -> min_p -> top_k) on log-probabilities, then
-temperature.
+(logit bias -> repetition -> presence -> frequency penalty: mlx-lm's order, semantics and dtype)
+are applied to all rows in one vectorised pass, touching only the ids in each row's windows, and
+are bit-identical to mlx-lm's applied row by row; custom processors (mlx-lm's
+``(tokens, logits) -> logits`` form) follow, called row by row. The sampler's filters then run in
+mlx-lm's order (top_p -> min_p -> top_k on log-probabilities), then temperature; they are computed
+in float64 from each row's top candidates (equal to mlx-lm's distribution to float tolerance).
 
 Acceptance (both exact for any settings):
 
-- ``argmax`` proposals: the drafter proposes the argmax of its *processed* logits (bias and
-  penalties applied with the proposals before each row in the history). Proposal ``i+1`` is accepted
-  iff it equals the target's own sample at row ``i``; the first mismatch emits the target's sample.
-  This is rejection sampling with a one-hot proposal, exact for any target sampler.
+- ``argmax`` proposals (default): the drafter proposes the argmax of its *processed* logits (bias
+  and penalties, the proposals before each row in its history). Proposal ``i+1`` is accepted with
+  the target's probability of it at row ``i`` -- the probability that the target's own sample
+  equals it -- and the first rejected row emits a draw from that row's distribution conditioned on
+  not being the proposal. That is the law of "sample every row, keep proposals while they match",
+  i.e. rejection sampling with a one-hot proposal, at the cost of one uniform per row.
 - ``sample`` proposals: the drafter samples each position from its processed distribution ``q``
-  (same processors and filters as the target, the history again including the earlier proposals);
-  proposal ``i+1`` is accepted with ``min(1, p/q)`` and the first rejection is resampled from
-  ``norm(max(p - q, 0))`` (Leviathan et al.'s speculative sampling).
+  (same processors, filters and temperature over its top candidates, the history again including
+  the earlier proposals); proposal ``i+1`` is accepted with ``min(1, p/q)`` and the first rejection
+  is redrawn from ``norm(max(p - q, 0))`` (Leviathan et al.'s speculative sampling).
+- A custom ``sampler`` (argmax proposals only): the target's token at every row comes from it, and
+  proposals are kept while they equal those tokens.
 
 Custom ``logits_processors`` and ``sampler`` must be pure functions of their inputs (as mlx-lm's
 are): they are called for every verify row, including rows after the first rejection.
@@ -37,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+import numpy as np
 
 from .errors import GenerationConfigError
 
@@ -164,13 +169,65 @@ def _checked_bias(bias, vocab_size, bad) -> dict[int, float]:
     return out
 
 
+# How many top candidates a row's filtered distribution is first computed from (target side, when
+# top_p/min_p truncate but top_k does not bound the set); rows whose kept set reaches the last
+# candidate are recomputed over the whole vocabulary.
+CANDIDATES = 256
+# The drafter's sampled rows are distributions over this many top candidates (or top_k, if
+# larger): any q is exact as long as proposals are drawn from it and accepted against it.
+DRAFT_CANDIDATES = 64
+
+
+def _draw(rng: np.random.Generator, probs: np.ndarray) -> int:
+    """Index drawn from unnormalised ``probs`` (float64) by inverse CDF; never a zero entry."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+
+
+@dataclass
+class RowDist:
+    """The filtered, tempered distribution of one row: ``probs`` (float64, sums to 1) over ``ids``
+    (``None``: the whole vocabulary, index = token id)."""
+
+    ids: np.ndarray | None
+    probs: np.ndarray
+
+    def prob(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.probs[token])
+        hit = np.flatnonzero(self.ids == token)
+        return float(self.probs[hit[0]]) if hit.size else 0.0
+
+    def probs_at(self, ids: np.ndarray) -> np.ndarray:
+        if self.ids is None:
+            return self.probs[ids]
+        lookup = dict(zip(self.ids.tolist(), self.probs.tolist()))
+        return np.array([lookup.get(t, 0.0) for t in ids.tolist()], dtype=np.float64)
+
+    def token(self, index: int) -> int:
+        return int(index if self.ids is None else self.ids[index])
+
+    def dense(self, vocab: int) -> np.ndarray:
+        if self.ids is None:
+            return self.probs
+        out = np.zeros(vocab)
+        out[self.ids] = self.probs
+        return out
+
+
 class BlockSampler:
-    """Per-generation sampling state: processors, random key, and the block-wise primitives."""
+    """Per-generation sampling state: processors, random generator, and the block-wise primitives.
+
+    Processors run in MLX on the ``(R, V)`` logits; the rows are then copied to NumPy once, where
+    whole-row reductions (log-sum-exp, top candidates) and everything after them (filters on the
+    candidates, acceptance, draws) run in float64 with a seeded generator. A verify pass costs one
+    uniform per row plus one draw, not a sort and a Gumbel draw over the vocabulary per row.
+    """
 
     def __init__(self, cfg: SamplingConfig):
         self.cfg = cfg
         seed = cfg.seed if cfg.seed is not None else time.time_ns() % (2**63)
-        self.key = mx.random.key(seed)
+        self.rng = np.random.default_rng(seed)
         if cfg.sampler is not None and cfg.seed is not None:
             # A custom sampler draws from MLX's global generator, as it would under mlx-lm.
             mx.random.seed(cfg.seed)
@@ -182,10 +239,9 @@ class BlockSampler:
             ("presence", cfg.presence_penalty, cfg.presence_context_size),
             ("frequency", cfg.frequency_penalty, cfg.frequency_context_size),
         ) if value]
-
-    def _next_key(self) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
-        return sub
+        c = cfg
+        self.top_p = 0 < c.top_p < 1.0
+        self.filtered = self.top_p or c.min_p != 0.0 or c.top_k > 0
 
     @property
     def greedy(self) -> bool:
@@ -203,76 +259,62 @@ class BlockSampler:
         return logits.at[:, self.bias_ids].add(self.bias_values)
 
     @staticmethod
-    def _windows(history: list[int], proposals: list[int], rows: int, size: int,
-                 known: bool) -> list[list[int]]:
-        """Row ``i``'s window: the last ``size`` tokens of ``history + proposals[:i]``.
-
-        With ``known=False`` only the history part of each window is returned (the caller adds
-        the proposals' part itself).
-        """
+    def _windows(history: list[int], proposals: list[int], rows: int,
+                 size: int) -> list[list[int]]:
+        """Row ``i``'s window: the last ``size`` tokens of ``history + proposals[:i]``."""
         tail = history[-size:]
-        seq = tail + list(proposals[: rows - 1]) if known else tail
-        out = []
-        for i in range(rows):
-            end = len(tail) + i
-            start = max(0, end - size)
-            out.append(seq[start:end] if known else tail[start:])
-        return out
+        seq = tail + list(proposals[: rows - 1])
+        return [seq[max(0, len(tail) + i - size):len(tail) + i] for i in range(rows)]
 
     @staticmethod
-    def _counts(windows: list[list[int]], vocab: int) -> tuple[mx.array, int]:
-        """``(rows, vocab)`` float32 occurrence counts of each row's window, and the largest."""
-        rows = len(windows)
-        width = max((len(w) for w in windows), default=0)
-        if width == 0:
-            return mx.zeros((rows, vocab), dtype=mx.float32), 0
-        ids = [w + [0] * (width - len(w)) for w in windows]
-        valid = [[1.0] * len(w) + [0.0] * (width - len(w)) for w in windows]
-        row_idx = mx.broadcast_to(mx.arange(rows)[:, None], (rows, width))
-        counts = mx.zeros((rows, vocab), dtype=mx.float32).at[
-            row_idx, mx.array(ids, dtype=mx.int32)].add(mx.array(valid))
-        biggest = max((max(Counter(w).values()) for w in windows if w), default=0)
-        return counts, biggest
-
-    @staticmethod
-    def _penalise(logits: mx.array, kind: str, value: float, counts: mx.array,
-                  biggest: int | None) -> mx.array:
-        """mlx-lm's penalty ``kind`` where ``counts > 0``, elementwise in ``logits``' dtype.
+    def _penalise(values, kind: str, value: float, counts, biggest: int | None):
+        """mlx-lm's penalty ``kind`` where ``counts > 0``, elementwise (MLX or NumPy arrays).
 
         ``biggest`` (the largest count) makes the frequency penalty a repeated subtraction, as
         mlx-lm's scatter-subtract does with duplicate ids; ``None`` multiplies instead.
         """
+        where = mx.where if isinstance(values, mx.array) else np.where
         if kind == "repetition":
-            penalised = mx.where(logits < 0, logits * value, logits / value)
-            return mx.where(counts > 0, penalised, logits)
+            penalised = where(values < 0, values * value, values / value)
+            return where(counts > 0, penalised, values)
         if kind == "presence":
-            return mx.where(counts > 0, logits - value, logits)
+            return where(counts > 0, values - value, values)
         if biggest is None:
-            return logits - (counts * value).astype(logits.dtype)
+            return values - counts * value
         for k in range(biggest):
-            logits = mx.where(counts > k, logits - value, logits)
-        return logits
+            values = where(counts > k, values - value, values)
+        return values
 
     def process(self, logits: mx.array, history: list[int],
                 proposals: list[int] | None) -> mx.array:
         """Apply the processors to ``logits (R, V)``; row ``i`` sees ``history + proposals[:i]``.
 
-        With ``proposals=None`` every row sees ``history`` alone.
+        With ``proposals=None`` every row sees ``history`` alone. The penalties touch only the ids
+        in each row's windows: gathered, penalised with mlx-lm's elementwise ops in the logits'
+        dtype, scattered back (bit-identical to mlx-lm's processors row by row).
         """
         c = self.cfg
-        rows, vocab = logits.shape
+        rows = logits.shape[0]
         logits = self._bias(logits)
         if not self.has_history_processors:
             return logits
         known = proposals is not None
         props = list(proposals[: rows - 1]) if known else []
-        for kind, value, size in self.penalties:
-            if known:
-                windows = self._windows(history, props, rows, size, True)
-            else:
-                windows = [history[-size:]] * rows
-            counts, biggest = self._counts(windows, vocab)
-            logits = self._penalise(logits, kind, value, counts, biggest)
+        if self.penalties:
+            windows = [self._windows(history, props, rows, size) if known
+                       else [history[-size:]] * rows for _, _, size in self.penalties]
+            touched = [sorted(set().union(*(w[i] for w in windows))) for i in range(rows)]
+            width = max(len(t) for t in touched)
+            if width:
+                # Pad each row with a copy of its first id (same value, same result).
+                ids = [t + [t[0] if t else 0] * (width - len(t)) for t in touched]
+                idx = mx.array(ids, dtype=mx.int32)
+                values = mx.take_along_axis(logits, idx, axis=-1)
+                for (kind, value, _), w in zip(self.penalties, windows):
+                    counts = [[_count(w[i], t) for t in row] for i, row in enumerate(ids)]
+                    biggest = max(max(r) for r in counts)
+                    values = self._penalise(values, kind, value, mx.array(counts), biggest)
+                logits = mx.put_along_axis(logits, idx, values, axis=-1)
         if c.logits_processors:
             full = mx.array(history + props, dtype=mx.int32)
             n_hist, shift = len(history), 1 if known else 0
@@ -285,24 +327,62 @@ class BlockSampler:
             logits = mx.concatenate(out_rows, axis=0)
         return logits
 
-    # -- distributions and samples ---------------------------------------------------------
+    # -- distributions ----------------------------------------------------------------------
 
-    def _filtered_logprobs(self, logits: mx.array) -> mx.array:
-        """mlx-lm's make_sampler chain: log-softmax, then top_p, min_p, top_k."""
+    def _keep(self, lp: np.ndarray, total: float) -> np.ndarray:
+        """mlx-lm's filters (top_p, then min_p, then top_k) on log-probs sorted descending."""
         c = self.cfg
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if 0 < c.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, c.top_p)
+        keep = np.ones(lp.shape, dtype=bool)
+        if self.top_p:
+            probs = np.exp(lp)
+            before = np.cumsum(probs) - probs  # mass of the larger ones
+            inside = before < c.top_p * total
+            keep &= lp >= lp[np.flatnonzero(inside)[-1]]  # ties with the last kept stay
         if c.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, c.min_p)
-        if 0 < c.top_k < logits.shape[-1]:
-            logprobs = apply_top_k(logprobs, c.top_k)
-        return logprobs
+            keep &= lp >= lp[0] + math.log(c.min_p)
+        if c.top_k > 0:
+            keep[c.top_k:] = False
+        return keep
+
+    def dists(self, logits: mx.array) -> list[RowDist] | _DenseDists:
+        """The built-in sampler's distribution of each row of processed ``logits (R, V)``.
+
+        mlx-lm's chain: log-softmax, top_p, min_p, top_k, then softmax(logprobs / temperature).
+        With truncating filters the kept set is found among each row's top candidates (top_k of
+        them when top_k is set; otherwise ``CANDIDATES``, and the whole row when the kept set
+        reaches the last candidate). Without, rows stay over the whole vocabulary.
+        """
+        rows = _Rows(logits)
+        vocab = rows.vocab
+        temp = self.cfg.temperature
+        if not self.filtered:
+            return _DenseDists(rows, 1.0 / temp)
+        c = self.cfg
+        bounded = 0 < c.top_k < vocab
+        ids, vals = rows.top(min(vocab, c.top_k if bounded else CANDIDATES))
+        lse = rows.logsumexp(1.0)
+        out: list[RowDist] = []
+        for i in range(rows.n):
+            lp = vals[i] - lse[i]
+            keep = self._keep(lp, 1.0)
+            if keep[-1] and not bounded and ids.shape[1] < vocab:
+                # The kept set may reach past the candidates: the whole row, sorted.
+                full = rows.row(i)
+                order = np.argsort(-full, kind="stable")
+                lp = full[order] - lse[i]
+                keep = self._keep(lp, 1.0)
+                out.append(_row_dist(order[keep], lp[keep] / temp))
+            else:
+                out.append(_row_dist(ids[i][keep], lp[keep] / temp))
+        return out
 
     def probs(self, logits: mx.array) -> mx.array:
-        """The distribution (float32) the built-in sampler draws from, per row."""
-        scaled = self._filtered_logprobs(logits).astype(mx.float32) * (1.0 / self.cfg.temperature)
-        return mx.softmax(scaled, axis=-1)
+        """Dense ``(R, V)`` float32 probabilities the built-in sampler draws from."""
+        rows, vocab = logits.shape
+        d = self.dists(logits)
+        return mx.array(np.stack([d[i].dense(vocab) for i in range(rows)]).astype(np.float32))
+
+    # -- samples ----------------------------------------------------------------------------
 
     def sample(self, logits: mx.array) -> mx.array:
         """One token per row of processed logits ``(R, V)`` -> ``(R,)``."""
@@ -314,77 +394,181 @@ class BlockSampler:
             return mx.concatenate(out)
         if self.cfg.temperature == 0:
             return mx.argmax(logits, axis=-1)
-        scaled = self._filtered_logprobs(logits) * (1.0 / self.cfg.temperature)
-        return mx.random.categorical(scaled, axis=-1, key=self._next_key())
+        d = self.dists(logits)
+        return mx.array([self._draw(d[i]) for i in range(logits.shape[0])])
+
+    def _draw(self, dist: RowDist, exclude: int | None = None) -> int:
+        probs = dist.probs
+        if exclude is not None:
+            hit = exclude if dist.ids is None else np.flatnonzero(dist.ids == exclude)
+            if np.size(hit) and probs.sum() - probs[hit].sum() > 0:
+                probs = probs.copy()
+                probs[hit] = 0.0
+        return dist.token(_draw(self.rng, probs))
 
     # -- drafting and acceptance -----------------------------------------------------------
 
-    def propose(self, draft_logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array | None]:
-        """Proposals ``(P,)`` from drafter logits ``(P, V)`` and, when sampled, their ``q (P, V)``.
+    def propose(self, draft_logits: mx.array,
+                history: list[int]) -> tuple[mx.array, list[RowDist] | None]:
+        """Proposals ``(P,)`` from drafter logits ``(P, V)`` and, when sampled, their ``q``.
 
-        The drafter's logits get the target's built-in processors (bias, penalties), row ``j``
-        seeing ``history + proposals[:j]``; custom processors are left to the target (they may be
-        costly, and any proposal distribution is exact). ``argmax`` proposes each row's maximum,
-        ``sample`` draws from the filtered, tempered distribution ``q``.
+        The drafter's rows get the target's bias and penalties, row ``j`` seeing
+        ``history + proposals[:j]``; ``sample`` draws from the target's filters and temperature
+        applied to the row's top ``DRAFT_CANDIDATES`` (or ``top_k``) candidates, and ``q`` is
+        exactly the distribution each proposal was drawn from. Custom processors are left to the
+        target (any proposal distribution is exact).
         """
         sampled = self.cfg.proposal == "sample" and not self.greedy
         rows, vocab = draft_logits.shape
         logits = self._bias(draft_logits)
-        if not self.penalties:
-            if not sampled:
-                return mx.argmax(logits, axis=-1), None
-            q = self.probs(logits)
-            return mx.random.categorical(mx.log(q), axis=-1, key=self._next_key()), q
-        # History part of every row's window now; the proposals' part row by row (lazily).
-        base = [self._counts(self._windows(history, [], rows, size, False), vocab)[0]
-                for _, _, size in self.penalties]
-        keys = mx.random.split(self._next_key(), rows) if sampled else None
-        ids = mx.arange(vocab)
-        cum = [mx.zeros((vocab,), dtype=mx.float32)]  # cum[j]: one-hot counts of proposals < j
-        tokens, qs = [], []
+        if not sampled and not self.penalties:
+            return mx.argmax(logits, axis=-1), None
+        c = self.cfg
+        m = min(vocab, max(c.top_k, DRAFT_CANDIDATES))
+        source = _Rows(logits).np
+        tokens: list[int] = []
+        qs: list[RowDist] = []
         for j in range(rows):
-            row = logits[j:j + 1]
-            for (kind, value, size), counts in zip(self.penalties, base):
-                recent = cum[j] - cum[max(0, j - size)]
-                row = self._penalise(row, kind, value, counts[j:j + 1] + recent[None], None)
-            if sampled:
-                q = self.probs(row)
-                tok = mx.random.categorical(mx.log(q), axis=-1, key=keys[j])
-                qs.append(q)
-            else:
-                tok = mx.argmax(row, axis=-1)
-            tokens.append(tok)
-            cum.append(cum[-1] + (ids == tok).astype(mx.float32))
-        return mx.concatenate(tokens), (mx.concatenate(qs) if sampled else None)
+            row = source[j]
+            if self.penalties:
+                seen = [(history[-size:] + tokens)[-size:] for _, _, size in self.penalties]
+                ids = sorted(set().union(*seen))
+                if ids:
+                    v = row[ids].astype(np.float64)
+                    for (kind, value, _), window in zip(self.penalties, seen):
+                        counts = Counter(window)
+                        cnt = np.array([counts.get(t, 0) for t in ids], dtype=np.float64)
+                        v = self._penalise(v, kind, value, cnt, None)
+                    row = row.copy()
+                    row[ids] = v
+            if not sampled:
+                tokens.append(int(np.argmax(row)))
+                continue
+            ids, vals = _top(row, m)
+            lp = vals - _logsumexp(vals)  # q lives on the candidates
+            keep = self._keep(lp, 1.0)
+            q = _row_dist(ids[keep], lp[keep] / c.temperature)
+            tokens.append(self._draw(q))
+            qs.append(q)
+        return mx.array(tokens), (qs if sampled else None)
 
-    def accept(self, target_logits: mx.array, proposals: list[int], q: mx.array | None,
+    def accept(self, target_logits: mx.array, proposals: list[int], q: list[RowDist] | None,
                history: list[int]) -> tuple[int, int]:
-        """``(a, bonus)``: the number of accepted proposals and the token emitted after them."""
+        """``(a, bonus)``: the number of accepted proposals and the token emitted after them.
+
+        ``argmax`` proposals (``q is None``): proposal ``i+1`` is accepted with the target's
+        probability of it at row ``i`` (what "the target's sample equals it" has), and the first
+        rejection draws from that row conditioned on not being the proposal. ``sample``: accepted
+        with ``min(1, p/q)``, the first rejection drawn from ``norm(max(p - q, 0))``.
+        """
         processed = self.process(target_logits, history, proposals)
         n_prop = len(proposals)
-        if q is None:
+        if self.greedy or self.cfg.sampler is not None:
             targets = self.sample(processed).tolist()
             a = 0
             while a < n_prop and proposals[a] == targets[a]:
                 a += 1
             return a, targets[a]
-        p = self.probs(processed)
-        if n_prop == 0:
-            return 0, int(mx.random.categorical(mx.log(p[0]), key=self._next_key()).item())
-        prop = mx.array(proposals, dtype=mx.int32)[:, None]
-        p_prop = mx.take_along_axis(p[:n_prop], prop, axis=-1)[:, 0]
-        q_prop = mx.take_along_axis(q, prop, axis=-1)[:, 0]
-        u = mx.random.uniform(shape=(n_prop,), key=self._next_key())
-        accepted = (u * q_prop < p_prop).tolist()
+        p = self.dists(processed)
+        p_prop = p.probs_of(proposals) if isinstance(p, _DenseDists) else \
+            np.array([p[i].prob(t) for i, t in enumerate(proposals)])
+        u = self.rng.random(n_prop)
+        if q is None:
+            accepted = u < p_prop
+        else:
+            q_prop = np.array([q[i].prob(t) for i, t in enumerate(proposals)])
+            accepted = u * q_prop < p_prop
         a = 0
         while a < n_prop and accepted[a]:
             a += 1
+        row = p[a]
         if a == n_prop:
-            bonus_dist = p[n_prop]
-        else:
-            residual = mx.maximum(p[a] - q[a], 0.0)
-            total = residual.sum()
-            # p == q leaves no residual mass; a rejection then had probability 0 (rounding).
-            bonus_dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[a])
-        bonus = mx.random.categorical(mx.log(bonus_dist), key=self._next_key())
-        return a, int(bonus.item())
+            return a, self._draw(row)
+        if q is None:
+            return a, self._draw(row, exclude=proposals[a])
+        return a, self._residual(row, q[a])
+
+    def _residual(self, p: RowDist, q: RowDist) -> int:
+        """A draw from ``norm(max(p - q, 0))``, the law of the token after a rejection."""
+        q_at_p = q.dense(p.probs.size) if p.ids is None else q.probs_at(p.ids)
+        residual = np.maximum(p.probs - q_at_p, 0.0)
+        if residual.sum() <= 0:  # p == q: a rejection had probability 0 (rounding)
+            return self._draw(p)
+        return p.token(_draw(self.rng, residual))
+
+
+class _Rows:
+    """A logits matrix ``(R, V)`` copied to NumPy float32 once, with the whole-row reductions
+    the sampler needs (float64 results). NumPy's exp/partition beat MLX's on the CPU; elsewhere
+    the copy is one transfer per verify pass."""
+
+    def __init__(self, logits: mx.array):
+        self.n, self.vocab = logits.shape
+        self.np = np.array(logits if logits.dtype == mx.float32 else logits.astype(mx.float32))
+
+    def top(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and values of each row's ``m`` largest entries, sorted descending."""
+        return _top(self.np, m)
+
+    def at(self, tokens: list[int]) -> np.ndarray:
+        """Row ``i``'s value of ``tokens[i]``."""
+        return self.np[np.arange(len(tokens)), tokens].astype(np.float64)
+
+    def logsumexp(self, scale: float) -> np.ndarray:
+        """Per-row ``log(sum(exp(scale * x)))``."""
+        x = self.np * np.float32(scale)
+        top = x.max(axis=-1, keepdims=True)
+        with np.errstate(invalid="ignore"):
+            return top[:, 0] + np.log(np.exp(x - top).sum(axis=-1, dtype=np.float64))
+
+    def row(self, i: int) -> np.ndarray:
+        return self.np[i].astype(np.float64)
+
+
+def _top(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and float64 values of the ``m`` largest entries of each row (or of a 1-D ``x``),
+    sorted descending."""
+    vocab = x.shape[-1]
+    if m >= vocab:
+        ids = np.broadcast_to(np.arange(vocab), x.shape)
+        vals = x
+    else:
+        ids = np.argpartition(-x, m - 1, axis=-1)[..., :m]
+        vals = np.take_along_axis(x, ids, axis=-1)
+    vals = vals.astype(np.float64)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    return np.take_along_axis(ids, order, axis=-1).astype(np.int64), \
+        np.take_along_axis(vals, order, axis=-1)
+
+
+class _DenseDists:
+    """Unfiltered rows over the whole vocabulary: softmax(x / temperature), row by row."""
+
+    def __init__(self, rows: _Rows, scale: float):
+        self.rows = rows
+        self.scale = scale
+        self.lse = rows.logsumexp(scale)
+
+    def probs_of(self, tokens: list[int]) -> np.ndarray:
+        return np.exp(self.rows.at(tokens) * self.scale - self.lse[: len(tokens)])
+
+    def __len__(self) -> int:
+        return self.rows.n
+
+    def __getitem__(self, i: int) -> RowDist:
+        return _row_dist(None, self.rows.row(i) * self.scale)
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    top = float(np.max(x))
+    return top + math.log(float(np.exp(x - top).sum()))
+
+
+def _row_dist(ids: np.ndarray | None, scaled: np.ndarray) -> RowDist:
+    """Softmax of ``scaled`` (log-probs / temperature) over ``ids``, in float64."""
+    probs = np.exp(scaled - np.max(scaled))
+    return RowDist(ids, probs / probs.sum())
+
+
+def _count(window: list[int], token: int) -> int:
+    return window.count(token)

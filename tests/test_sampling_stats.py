@@ -1,0 +1,406 @@
+"""Statistical exactness of speculative sampling against mlx-lm's target-only sampling.
+
+Reference: the *exact* joint distribution of the first ``K`` generated tokens under mlx-lm's
+target-only sampling (``generate_step`` with ``make_sampler`` and ``make_logits_processors``),
+computed by enumerating every prefix over a tiny vocabulary with the target model and mlx-lm's own
+processors and filters. No sampling noise on the reference side.
+
+dflash side: ``N`` independent generations (seeds 0..N-1) through the real ``stream_generate`` loop
+(drafter, verify, roll-back, acceptance), ``max_tokens=K`` and block size 4, so one cycle verifies up
+to 3 proposals: accept-all, partial, none and (``sample`` mode) residual resampling all occur.
+
+Test: Pearson chi-square of the ``N`` sampled sequences against the exact joint, cells with an
+expected count below 5 pooled into one cell, false-alarm rate ``ALPHA`` = 1e-3 per case (chi-square
+approximation; ``test_chi_square_false_alarm_rate`` checks it by simulation from the exact
+reference). With N = 2000 and 40-60 degrees of freedom the test has 90% power against any
+deviation whose chi-square divergence over the pooled cells is >= ~0.03 (e.g. 2.7% of probability
+moved between two 5% cells); ``-s`` prints the figure per case. Power is shown on deliberately
+broken samplers (penalties that do not see the proposals; a rejection resampled from p instead of
+the residual), which must fail the same test; their non-central chi-square power at the observed
+effect is printed.
+
+Seeds 0..N-1 make every run deterministic: the outcome of each case is fixed, and the false-alarm
+rate is the chance that a correct sampler would have failed it.
+"""
+
+from __future__ import annotations
+
+import dflash  # noqa: F401, I001  # isort: skip  (before mlx: routes OpenBLAS)
+
+import itertools
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+)
+from scipy import stats as sps
+from tiny_models import write_drafter, write_target
+
+from dflash import speculative
+from dflash.drafter import load_draft
+from dflash.sampling import BlockSampler
+from dflash.speculative import stream_generate
+
+V = 8  # vocabulary
+K = 4  # generated tokens compared (the joint has V**K cells)
+BLOCK = 4
+N = 2000  # dflash samples per case
+ALPHA = 1e-3  # false-alarm rate per case
+PROMPT = [3, 1, 3, 5]
+LOGIT_SCALE = 3.5  # sharpens the random target's head, like a trained model's
+
+CASES = {
+    "temperature": dict(temperature=0.8),
+    "filters": dict(temperature=1.0, top_p=0.9, top_k=4, min_p=0.05),
+    "penalties": dict(temperature=1.0, repetition_penalty=1.3, repetition_context_size=3,
+                      presence_penalty=0.7, frequency_penalty=0.4, frequency_context_size=5,
+                      logit_bias={2: 1.0, 6: -0.5}),
+    # The model card's settings.
+    "card": dict(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, repetition_penalty=1.05,
+                 presence_penalty=1.5),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from mlx_lm.utils import load_model
+
+    root = tmp_path_factory.mktemp("stats")
+    tpath = write_target(root / "target", "qwen3", vocab_size=V, with_tokenizer=False,
+                         hidden=32, layers=1, seed=3)
+    dpath = write_drafter(root / "draft", tpath, layers=1, taps=(0,), block_size=BLOCK)
+    model, _ = load_model(tpath)
+    model.lm_head.weight = model.lm_head.weight * LOGIT_SCALE
+    mx.eval(model.parameters())
+    return model, load_draft(dpath)
+
+
+def target_logits(model, prefixes: list[tuple[int, ...]]) -> dict[tuple[int, ...], np.ndarray]:
+    """Raw next-token logits ``(V,)`` of the target after ``PROMPT + prefix``, batched by length."""
+    out = {}
+    by_len: dict[int, list] = {}
+    for p in prefixes:
+        by_len.setdefault(len(p), []).append(p)
+    for _, group in sorted(by_len.items()):
+        logits = np.array(model(mx.array([PROMPT + list(p) for p in group]))[:, -1])
+        for i, p in enumerate(group):
+            out[p] = logits[i]
+    return out
+
+
+def all_prefixes(depth: int) -> list[tuple[int, ...]]:
+    return [p for n in range(depth + 1) for p in itertools.product(range(V), repeat=n)]
+
+
+@pytest.fixture(scope="module")
+def raw_table(pair):
+    model, _ = pair
+    return target_logits(model, all_prefixes(K - 1))
+
+
+def reference_next(raw_table, settings: dict) -> dict[tuple[int, ...], np.ndarray]:
+    """mlx-lm target-only next-token distribution after every prefix (float64, exact processors)."""
+    s = dict(settings)
+    procs = make_logits_processors(
+        s.get("logit_bias"), s.get("repetition_penalty"), s.get("repetition_context_size", 20),
+        s.get("presence_penalty"), s.get("presence_context_size", 20),
+        s.get("frequency_penalty"), s.get("frequency_context_size", 20))
+    temp, top_p = s.get("temperature", 0.0), s.get("top_p", 1.0)
+    min_p, top_k = s.get("min_p", 0.0), s.get("top_k", 0)
+    keys, rows = [], []
+    for prefix, raw in raw_table.items():
+        # A fresh array per row: mlx-lm's repetition processor assigns into its input in place.
+        logits = mx.array(raw[None])
+        tokens = mx.array(PROMPT + list(prefix))
+        for proc in procs:  # generate_step: processors in list order, history = prompt + output
+            logits = proc(tokens, logits)
+        keys.append(prefix)
+        rows.append(logits)
+    logits = mx.concatenate(rows)
+    # make_sampler's chain, in its order, on log-probabilities.
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p != 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    if top_k > 0:
+        logprobs = apply_top_k(logprobs, top_k) if top_k < V else logprobs
+    scaled = np.array((logprobs * (1.0 / temp)).astype(mx.float32), dtype=np.float64)
+    scaled -= scaled.max(axis=-1, keepdims=True)
+    probs = np.exp(scaled)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return {k: probs[i] for i, k in enumerate(keys)}
+
+
+def exact_joint(next_dist) -> np.ndarray:
+    """``P[t1, ..., tK]`` from the conditionals."""
+    joint = np.ones((1,))
+    for depth in range(K):
+        cond = np.stack([next_dist[p] for p in itertools.product(range(V), repeat=depth)])
+        joint = (joint.reshape(-1, 1) * cond).reshape(-1)
+    return joint.reshape((V,) * K)
+
+
+# ---------------------------------------------------------------------------------------------
+# A drafter that agrees often, but not always
+
+
+class TableDrafter:
+    """Proposes from the target's own (unprocessed) logits for a *guessed* prefix, plus noise.
+
+    Row ``j`` of a block gets ``SCALE * target_logits(prefix + own guesses) + noise``, the prefix
+    being the generated tokens as far as the drafter can tell (the anchors it was given; accepted
+    proposals it never sees are filled with its own earlier guesses). Its ``q`` is close to but not
+    the target's ``p``, so every acceptance path runs. The real drafter's cache still receives
+    every context row through the loop.
+    """
+
+    SCALE = 0.8
+    NOISE = 0.6
+
+    def __init__(self, draft, raw_np: dict[tuple[int, ...], np.ndarray]):
+        self.inner = draft
+        self.raw = raw_np
+        self.known: dict[int, int] = {}
+        self.noise: dict[tuple, np.ndarray] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _noise(self, key) -> np.ndarray:
+        if key not in self.noise:
+            rng = np.random.default_rng([len(key[0]), *key[0], key[1]])
+            self.noise[key] = rng.normal(0.0, self.NOISE, V)
+        return self.noise[key]
+
+    def block_logits(self, target, anchor: int, block_len: int, cache) -> mx.array:
+        pos = cache[0].offset  # absolute position of the anchor
+        self.known[pos] = anchor
+        n0 = len(PROMPT)
+        prefix = [self.known.get(i, 0) for i in range(n0, pos + 1)]
+        rows = []
+        for j in range(1, block_len):
+            key = (tuple(prefix), j)
+            raw = self.raw.get(key[0])
+            row = (self.SCALE * raw if raw is not None else np.zeros(V)) + self._noise(key)
+            rows.append(row)
+            guess = int(np.argmax(row))
+            self.known.setdefault(pos + j, guess)
+            prefix.append(guess)
+        return mx.array(np.stack(rows).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def raw_np(raw_table):
+    return {k: v.astype(np.float64) for k, v in raw_table.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling through the real loop
+
+
+@dataclass
+class Run:
+    sequences: np.ndarray  # (N, K) token ids
+    paths: dict[str, int]  # acceptance paths over all cycles
+    accepted_at: np.ndarray  # cycles whose proposal at block position j was accepted
+    proposed_at: np.ndarray  # cycles that proposed a token at block position j
+    stats_mismatches: int  # runs whose reported statistics disagree with their cycles
+
+
+def run_dflash(pair, raw_np, settings: dict, proposal: str, n: int = N, seed0: int = 0) -> Run:
+    """``n`` generations of ``K`` tokens (seeds ``seed0...``) through the real loop."""
+    model, draft = pair
+    seqs = np.zeros((n, K), dtype=np.int64)
+    paths = {"all": 0, "partial": 0, "none": 0, "plain": 0}
+    acc_total = np.zeros(BLOCK - 1)
+    prop_total = np.zeros(BLOCK - 1)
+    mismatches = 0
+    for s in range(n):
+        tokens, generated, cycles, last = [], 0, 0, None
+        acc = np.zeros(BLOCK - 1)
+        prop = np.zeros(BLOCK - 1)
+        for r in stream_generate(model, TableDrafter(draft, raw_np), None, PROMPT,
+                                 block_size=BLOCK, max_tokens=K, seed=seed0 + s,
+                                 proposal=proposal, **settings):
+            if r.cycles != cycles:  # this response closes one cycle
+                n_prop = min(BLOCK, K - generated) - 1
+                a = r.accepted
+                if n_prop == 0:
+                    paths["plain"] += 1
+                else:
+                    paths["all" if a == n_prop else "partial" if a else "none"] += 1
+                prop[:n_prop] += 1
+                acc[:a] += 1
+                mismatches += r.cycle_tau != a + 1 or len(r.tokens) > a + 1
+            tokens += r.tokens
+            generated, cycles, last = r.generation_tokens, r.cycles, r
+        seqs[s] = tokens
+        expect = np.where(prop > 0, acc / np.maximum(prop, 1), 0.0)
+        mismatches += not np.allclose(last.acceptance_by_position, expect)
+        mismatches += not np.isclose(last.mean_tau, (acc.sum() + cycles) / max(cycles, 1))
+        acc_total += acc
+        prop_total += prop
+    return Run(seqs, paths, acc_total, prop_total, mismatches)
+
+
+def chi_square(samples: np.ndarray, joint: np.ndarray) -> tuple[float, int, float]:
+    """Pearson chi-square of samples ``(n, K)`` against the exact joint, small cells pooled.
+
+    Returns ``(statistic, degrees of freedom, p-value)``.
+    """
+    n = len(samples)
+    flat = joint.reshape(-1)
+    idx = np.ravel_multi_index(samples.T, joint.shape)
+    observed = np.bincount(idx, minlength=flat.size)
+    return _pooled_chi_square(observed, flat, n)
+
+
+def _pooled_chi_square(observed: np.ndarray, probs: np.ndarray, n: int):
+    expected = n * probs
+    big = expected >= 5
+    obs = list(observed[big]) + [observed[~big].sum()]
+    exp = list(expected[big]) + [expected[~big].sum()]
+    obs, exp = np.array(obs, dtype=np.float64), np.array(exp)
+    if exp[-1] < 5:  # too small to stand alone: fold into the smallest regular cell
+        j = int(np.argmin(exp[:-1]))
+        obs[j] += obs[-1]
+        exp[j] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    # Mass outside the support of the reference is an immediate, infinite discrepancy.
+    impossible = observed[probs == 0].sum()
+    stat = float(((obs - exp) ** 2 / exp).sum()) + (np.inf if impossible else 0.0)
+    df = len(exp) - 1
+    return stat, df, float(sps.chi2.sf(stat, df))
+
+
+def detectable(df: int, n: int = N, alpha: float = ALPHA, target: float = 0.9) -> float:
+    """Chi-square divergence sum((q - p)^2 / p) over the pooled cells that the test catches
+    with probability ``target``."""
+    from scipy.optimize import brentq
+
+    crit = sps.chi2.isf(alpha, df)
+    return brentq(lambda lam: sps.ncx2.sf(crit, df, lam) - target, 1e-6, 1e5) / n
+
+
+def power(stat: float, df: int, alpha: float = ALPHA) -> float:
+    """Power of the test at the effect size the statistic shows (non-central chi-square)."""
+    crit = sps.chi2.isf(alpha, df)
+    lam = max(stat - df, 0.0)
+    return float(sps.ncx2.sf(crit, df, lam)) if lam > 0 else alpha
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference itself
+
+
+def test_reference_matches_mlx_lm_generate_step(pair, raw_table):
+    """The enumerated reference is mlx-lm's: compare with generate_step's own logprobs on paths."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    model, _ = pair
+    s = CASES["penalties"]
+    ref = reference_next(raw_table, s)
+    procs = make_logits_processors(
+        s["logit_bias"], s["repetition_penalty"], s["repetition_context_size"],
+        s["presence_penalty"], 20, s["frequency_penalty"], s["frequency_context_size"])
+    mx.random.seed(0)
+    for _ in range(3):
+        sampler = make_sampler(s["temperature"])
+        out = list(generate_step(mx.array(PROMPT), model, max_tokens=K, sampler=sampler,
+                                 logits_processors=procs))
+        toks = [int(t) for t, _ in out]
+        for depth, (_, logprobs) in enumerate(out):
+            expect = ref[tuple(toks[:depth])]
+            got = np.exp(np.array(logprobs, dtype=np.float64))
+            np.testing.assert_allclose(got / got.sum(), expect, atol=2e-5)
+
+
+def test_chi_square_false_alarm_rate(pair, raw_table):
+    """Sampling the exact reference itself, the pooled test rejects at about ALPHA (here <= 2%)."""
+    joint = exact_joint(reference_next(raw_table, CASES["card"])).reshape(-1)
+    rng = np.random.default_rng(0)
+    trials, rejections = 2000, 0
+    for _ in range(trials):
+        counts = rng.multinomial(N, joint)
+        rejections += _pooled_chi_square(counts, joint, N)[2] < ALPHA
+    # ALPHA = 1e-3: expect ~2 of 2000; 10 would be a 5x miscalibration.
+    assert rejections <= 10, rejections
+
+
+# ---------------------------------------------------------------------------------------------
+# The exactness tests
+
+
+def _report(name, run: Run, stat, df, p):
+    rates = run.accepted_at / np.maximum(run.proposed_at, 1)
+    print(f"\n{name}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against chi-square "
+          f"divergence >= {detectable(df):.3f}) paths={run.paths} "
+          f"acceptance by position={np.round(rates[:K - 2], 3).tolist()}")
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dflash_matches_target_only_distribution(case, proposal, pair, raw_table, raw_np):
+    settings = CASES[case]
+    joint = exact_joint(reference_next(raw_table, settings))
+    run = run_dflash(pair, raw_np, settings, proposal)
+    stat, df, p = chi_square(run.sequences, joint)
+    _report(f"{case}/{proposal}", run, stat, df, p)
+    assert p >= ALPHA, f"{case}/{proposal}: chi2={stat:.1f} on {df} df, p={p:.2e}"
+    # Every acceptance path ran (in `sample` mode every rejection resamples the residual).
+    proposing = run.paths["all"] + run.paths["partial"] + run.paths["none"]
+    for path in ("all", "partial", "none"):
+        assert run.paths[path] >= 0.02 * proposing, run.paths
+    # Statistics per cycle and per block position agree with what the cycles did.
+    assert run.stats_mismatches == 0
+
+
+class HistoryWithoutProposals(BlockSampler):
+    """Broken on purpose: every verify row's penalties see the committed history only."""
+
+    def process(self, logits, history, proposals):
+        return super().process(logits, history, None)
+
+
+class ResidualFromP(BlockSampler):
+    """Broken on purpose: a rejected proposal is replaced by a fresh draw from ``p``."""
+
+    def _residual(self, p, q):
+        return self._draw(p)
+
+
+BROKEN = {
+    "history-without-proposals/argmax": (HistoryWithoutProposals, "penalties", "argmax"),
+    "history-without-proposals/sample": (HistoryWithoutProposals, "penalties", "sample"),
+    "residual-from-p/sample": (ResidualFromP, "temperature", "sample"),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_broken_sampler_fails_the_same_test(name, pair, raw_table, raw_np, monkeypatch):
+    cls, case, proposal = BROKEN[name]
+    monkeypatch.setattr(speculative, "BlockSampler", cls)
+    settings = CASES[case]
+    joint = exact_joint(reference_next(raw_table, settings))
+    run = run_dflash(pair, raw_np, settings, proposal)
+    stat, df, p = chi_square(run.sequences, joint)
+    _report(f"BROKEN {name}", run, stat, df, p)
+    impossible = joint.reshape(-1)[np.ravel_multi_index(run.sequences.T, joint.shape)] == 0
+    if impossible.any():  # outputs the target can never produce: power 1 - (1 - f)^N
+        print(f"{impossible.mean():.3%} of outputs impossible under the target; power at N={N}: "
+              f"{1 - (1 - impossible.mean()) ** N:.6f}")
+    else:
+        print(f"power at this effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
+    assert p < ALPHA, f"the test missed {name}: p={p:.3g}"
