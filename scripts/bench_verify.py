@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
+# isort: off
 import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
+# isort: on
 
 from dflash import backend
 from dflash.model_mlx import load, load_draft
