@@ -45,6 +45,9 @@ class DFlashConfig:
     # SpecForge trains sliding layers causal inside the block; a switch because checkpoints vary.
     sliding_block_causal: bool = True
     attention_bias: bool = False
+    # Optional: the drafter proposes only these ids (a cut of the target's head). Verification is
+    # the target's, so output stays exact; drafting gets cheaper when the vocabulary is large.
+    draft_vocab_ids: list[int] | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -105,6 +108,7 @@ class DFlashConfig:
             layer_types=cfg.get("layer_types"),
             sliding_window=cfg.get("sliding_window"),
             sliding_block_causal=bool(pick("sliding_block_causal", dflash, default=True)),
+            draft_vocab_ids=pick("draft_vocab_ids", dflash),
             attention_bias=bool(cfg.get("attention_bias", False)),
             raw=cfg,
         )
@@ -229,7 +233,22 @@ class DFlashDraftModel(nn.Module):
         ``target`` lends its embedding and head (:class:`dflash.target.TargetParts`).
         """
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
-        return target.head(self(target.embed(block), cache)[0, 1:])
+        hidden = self(target.embed(block), cache)[0, 1:]
+        if self.config.draft_vocab_ids is None:
+            return target.head(hidden)
+        ids, rows = self._head_rows(target)
+        logits = mx.full((hidden.shape[0], target.vocab_size), -mx.inf, dtype=hidden.dtype)
+        logits[:, ids] = hidden @ rows.T
+        return logits
+
+    def _head_rows(self, target) -> tuple[mx.array, mx.array]:
+        """The target head's rows for the draft vocabulary, cut once per target."""
+        cached = getattr(self, "_head_cut", None)
+        if cached is None or cached[0] is not target.model:
+            ids = mx.array(self.config.draft_vocab_ids, dtype=mx.int32)
+            cached = (target.model, ids, target.head_rows(ids))
+            self._head_cut = cached
+        return cached[1], cached[2]
 
     def append_context(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Add target features of newly committed tokens to the drafter's context cache."""

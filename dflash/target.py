@@ -50,6 +50,15 @@ class TargetParts:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
+    def head_rows(self, ids: mx.array) -> mx.array:
+        """Float rows ``ids`` of the output head (dequantized when the head is quantized)."""
+        layer = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if hasattr(layer, "scales"):
+            return mx.dequantize(layer.weight[ids], layer.scales[ids], layer.get("biases")[ids]
+                                 if "biases" in layer else None, layer.group_size, layer.bits,
+                                 mode=getattr(layer, "mode", "affine"))
+        return layer.weight[ids]
+
     def head(self, hidden: mx.array) -> mx.array:
         """Logits from final-normed hidden states (the target's own head, tied or not)."""
         if self.lm_head is None:
@@ -102,6 +111,11 @@ def check_compatible(parts: TargetParts, draft) -> None:
         raise IncompatibleDraftError(
             f"drafter target_layer_ids {bad} out of range for a target with "
             f"{parts.num_layers} layers")
+    ids = cfg.draft_vocab_ids
+    if ids is not None and (not ids or min(ids) < 0 or max(ids) >= parts.vocab_size):
+        raise IncompatibleDraftError(
+            "drafter dflash_config.draft_vocab_ids must be non-empty ids inside the target "
+            f"vocabulary (0..{parts.vocab_size - 1})")
     if not 0 <= cfg.mask_token_id < parts.vocab_size:
         raise IncompatibleDraftError(
             f"drafter mask_token_id={cfg.mask_token_id} outside the target vocabulary")

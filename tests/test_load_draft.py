@@ -206,3 +206,28 @@ def test_no_state_left_after_error_or_interrupted_generator(loaded_pair):
     with pytest.raises(GenerationConfigError):
         generate(model, draft, tokenizer, prompt, temperature=-1)
     assert generate(model, draft, tokenizer, prompt, max_tokens=40).tokens == before
+
+
+def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, tiny_pair,
+                                                                       loaded_pair):
+    target, _ = tiny_pair("qwen3")
+    model, tokenizer, full_draft = loaded_pair("qwen3")
+    prompt = [1, 2, 3, 4, 5, 6]
+    ref = generate(model, full_draft, tokenizer, prompt, max_tokens=40).tokens
+    vocab = sorted(set(ref[::2]) | {7, 8, 9})
+    path = write_drafter(tmp_path / "cut", target,
+                         extra={"dflash_config": {"target_layer_ids": [0, 2],
+                                                  "mask_token_id": 100,
+                                                  "draft_vocab_ids": vocab}})
+    draft = load_draft(str(path))
+    parts = target_parts(model)
+    cache = draft.make_cache()
+    draft.append_context(mx.zeros((1, 3, 2 * draft.config.hidden_size)), cache)
+    proposals = mx.argmax(draft.block_logits(parts, 5, 8, cache), axis=-1).tolist()
+    assert set(proposals) <= set(vocab)
+    assert generate(model, draft, tokenizer, prompt, max_tokens=40).tokens == ref
+    bad = write_drafter(tmp_path / "badcut", target,
+                        extra={"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 100,
+                                                 "draft_vocab_ids": [10**7]}})
+    with pytest.raises(IncompatibleDraftError, match="draft_vocab_ids"):
+        generate(model, load_draft(str(bad)), tokenizer, prompt, max_tokens=4)
