@@ -1,41 +1,68 @@
-"""Prompt files: JSONL, one object a line, with `messages` (a chat), `prompt` (text) or `question`."""
+"""Prompt files: JSONL, one object a line, with `messages` (a chat), `prompt` (text) or `question`.
+
+GSM8K (``question``), HumanEval (``prompt`` + ``task_id``), Alpaca-style (``instruction``) and chat
+(``messages``) files all read as they are. Ids come from ``id`` / ``task_id`` or the line number.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from .errors import DFlashError
+
 PROMPT_FIELDS = ("messages", "prompt", "question", "instruction")
 
 
+class PromptFileError(DFlashError):
+    """A prompt file that is missing, not JSONL, or has a line without a prompt field."""
+
+
+def _check_messages(messages, where: str) -> list[dict]:
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                               and isinstance(m.get("role"), str) for m in messages):
+        raise PromptFileError(f"{where}: `messages` must be a non-empty list of "
+                              "{\"role\": ..., \"content\": ...} objects")
+    return messages
+
+
 def read_prompts(path: str | Path) -> list[dict]:
-    """Return ``[{"id", "messages" | "prompt"}]``; a bad line raises ``ValueError`` naming it."""
+    """Return ``[{"id", "messages" | "prompt"}]``; a bad line raises :class:`PromptFileError`
+    naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"prompt file {path} does not exist")
+        raise PromptFileError(f"prompt file {path} does not exist")
     items = []
-    with path.open() as f:
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise PromptFileError(f"{where}: not valid JSON ({e.msg}); prompt files are JSONL, "
+                                      "one JSON object per line") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
+                raise PromptFileError(f"{where}: expected a JSON object, got "
+                                      f"{type(obj).__name__}")
             item = {"id": str(obj.get("id", obj.get("task_id", f"{path.stem}-{lineno}")))}
-            if isinstance(obj.get("messages"), list):
-                item["messages"] = obj["messages"]
+            if item["id"] in seen:
+                raise PromptFileError(f"{where}: id {item['id']!r} repeats line {seen[item['id']]}")
+            seen[item["id"]] = lineno
+            if obj.get("messages") is not None:
+                item["messages"] = _check_messages(obj["messages"], where)
             else:
                 text = next((obj[k] for k in PROMPT_FIELDS[1:] if isinstance(obj.get(k), str)), None)
                 if text is None:
-                    raise ValueError(
-                        f"{path}:{lineno}: needs one of the fields {', '.join(PROMPT_FIELDS)}")
+                    raise PromptFileError(
+                        f"{where}: needs one of the fields {', '.join(PROMPT_FIELDS)} "
+                        f"(found {', '.join(sorted(obj)) or 'none'})")
                 item["prompt"] = text
             items.append(item)
     if not items:
-        raise ValueError(f"prompt file {path} holds no prompts")
+        raise PromptFileError(f"prompt file {path} holds no prompts")
     return items
 
 

@@ -27,9 +27,9 @@ for the training loss (inference keeps the full head), on-disk feature cache.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -39,14 +39,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DFlashError, UnsupportedTargetError
+from .datagen import DataSetError
+from .errors import DFlashError
 
 
 class TrainConfigError(DFlashError):
     """A training setting outside its valid range (block size, taps, output folder, ...)."""
 
 
-class TrainingDataError(DFlashError):
+class TrainingDataError(DataSetError):
     """A data set that cannot be trained on: missing, empty, or records without the needed fields."""
 
 
@@ -154,7 +155,10 @@ def default_taps(num_layers: int, n: int = 5) -> list[int]:
     if num_layers < 1:
         raise TrainConfigError("target has no decoder layers to tap")
     n = max(1, min(n, num_layers))
-    start, end = min(1, num_layers - 1), max(min(1, num_layers - 1), num_layers - 3)
+    if n == num_layers:
+        return list(range(num_layers))
+    start = 1 if num_layers > 3 else 0
+    end = num_layers - 3 if num_layers - 3 > start else num_layers - 1
     if n == 1:
         return [end]
     ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
@@ -304,8 +308,12 @@ class FeatureStore:
     """
 
     def __init__(self, parts, taps: list[int], topk: int, cache_dir: Path | None,
-                 memory_items: int = 0):
+                 head_w=None, vocab_ids: np.ndarray | None = None):
         self.parts, self.taps, self.topk = parts, list(taps), int(topk)
+        # With ``head_w`` (rows = ``vocab_ids``) the teacher's top-k is taken over that sub-vocabulary
+        # only (cheaper); by default over the full head, so that one cache serves every run.
+        self.head_w = head_w
+        self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids)
         self.cache_dir = Path(cache_dir) if cache_dir else None
         if self.cache_dir:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -319,8 +327,12 @@ class FeatureStore:
         return "taps-" + "-".join(map(str, taps)) + f"_top{topk}"
 
     def _file(self, sample: Sample) -> Path:
-        key = hashlib.sha1(f"{sample.id}|{len(sample.ids)}".encode()).hexdigest()[:20]
+        h = hashlib.sha1(sample.id.encode() + b"|" + np.asarray(sample.ids, np.int32).tobytes())
+        key = h.hexdigest()[:24]
         return self.cache_dir / key[:2] / f"{key}.npz"
+
+    def has(self, sample: Sample) -> bool:
+        return self.cache_dir is not None and self._file(sample).is_file()
 
     def compute(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         import mlx.core as mx
@@ -328,17 +340,29 @@ class FeatureStore:
         from .target import forward, make_cache
 
         t0 = time.perf_counter()
-        cache = make_cache(self.parts)
-        logits, feats = forward(self.parts, mx.array(ids)[None], cache, self.taps)
-        out = {"feats": feats[0].astype(mx.float16)}
+        parts = self.parts
+        if self.head_w is not None:
+            head_w = self.head_w
+            parts = dataclasses.replace(parts, lm_head=lambda h: h @ head_w.T)
+        cache = make_cache(parts)
+        logits, feats = forward(parts, mx.array(ids)[None], cache, self.taps)
+        feats = feats[0].astype(mx.float16)
+        res = {}
         if self.topk:
             logits = logits[0].astype(mx.float32)
-            top = mx.argpartition(-logits, self.topk - 1, axis=-1)[:, : self.topk]
-            logp = mx.take_along_axis(logits, top, -1) - mx.logsumexp(logits, -1, keepdims=True)
-            out["top_ids"] = top.astype(mx.int32)
-            out["top_logp"] = logp.astype(mx.float16)
-        mx.eval(out)
-        res = {k: np.array(v) for k, v in out.items()}
+            lse = mx.logsumexp(logits, -1, keepdims=True)
+            mx.eval(feats, logits, lse)
+            lg = np.array(logits)
+            k = min(self.topk, lg.shape[-1])
+            top = np.argpartition(-lg, k - 1, axis=-1)[:, :k]
+            logp = np.take_along_axis(lg, top, -1) - np.array(lse)
+            if self.vocab_ids is not None and self.head_w is not None:
+                top = self.vocab_ids[top]
+            res["top_ids"] = top.astype(np.int32)
+            res["top_logp"] = logp.astype(np.float16)
+        else:
+            mx.eval(feats)
+        res["feats"] = np.array(feats)
         if not np.isfinite(res["feats"]).all():
             # float16 overflow of a huge activation: keep the values, clipped (rare)
             res["feats"] = np.nan_to_num(res["feats"], nan=0.0, posinf=65504.0, neginf=-65504.0)
@@ -365,6 +389,62 @@ class FeatureStore:
         np.savez(tmp, **res)
         os.replace(tmp, path)
         return res
+
+
+def _feature_worker(target: str, data: str, taps: list[int], topk: int, cache_dir: str,
+                    max_len: int, skip_truncated: bool, worker: int, workers: int,
+                    progress: bool) -> None:
+    from tqdm import tqdm
+
+    from .model_mlx import load
+    from .target import target_parts
+
+    model, _ = load(target)
+    parts = target_parts(model)
+    store = FeatureStore(parts, taps, topk, Path(cache_dir))
+    samples = read_samples(data, max_len, skip_truncated, parts.vocab_size)
+    todo = [s for s in samples[worker::workers] if not store.has(s)]
+    bar = tqdm(todo, desc=f"features[{worker}]", position=worker, disable=not progress,
+               unit="seq", mininterval=5.0)
+    for s in bar:
+        store.get(s)
+        bar.set_postfix(tok_s=f"{store.tokens_computed / max(store.compute_time, 1e-9):.0f}")
+    bar.close()
+
+
+def precompute_features(target: str, data: str, taps: list[int], topk: int, cache_dir: Path,
+                        max_len: int = 1024, skip_truncated: bool = False, workers: int = 1,
+                        progress: bool = True) -> Path:
+    """Fill the feature cache for every sample of ``data`` (one process per worker).
+
+    One single-threaded process per core beats one process with several BLAS threads here.
+    """
+    import multiprocessing as mp
+
+    cache_dir = Path(cache_dir)
+    args = (str(target), str(data), list(taps), int(topk), str(cache_dir), max_len, skip_truncated)
+    if workers <= 1:
+        _feature_worker(*args, 0, 1, progress)
+        return cache_dir
+    old = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_feature_worker, args=(*args, w, workers, progress))
+                 for w in range(workers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    finally:
+        if old is None:
+            os.environ.pop("OPENBLAS_NUM_THREADS", None)
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = old
+    bad = [p.exitcode for p in procs if p.exitcode]
+    if bad:
+        raise RuntimeError(f"feature worker failed with exit code {bad[0]}")
+    return cache_dir
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,8 +491,13 @@ def draft_config_dict(parts, tcfg: dict, layers: int, block_size: int, taps: lis
     }
 
 
-def init_layer_ids(mode: str, n_draft: int, n_target: int) -> list[int]:
-    """Which target layers seed the drafter's layers (``first``, ``last``, ``spread`` or ids)."""
+def init_layer_ids(mode: str, n_draft: int, n_target: int,
+                   taps: list[int] | None = None) -> list[int]:
+    """Which target layers seed the drafter's layers (``first``, ``last``, ``spread``,
+    ``aligned`` = the layers right after the deepest tap, or explicit ids)."""
+    if mode == "aligned":
+        start = min(max(taps or [n_target - 2]) + 1, n_target - n_draft)
+        return list(range(max(0, start), max(0, start) + n_draft))
     if mode == "first":
         return list(range(min(n_draft, n_target)))
     if mode == "last":
@@ -439,6 +524,9 @@ def init_from_target(draft, parts, layer_ids: list[int]) -> list[str]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    if len(layer_ids) != len(draft.layers):
+        raise TrainConfigError(f"--init: {len(layer_ids)} target layers given for a drafter of "
+                               f"{len(draft.layers)} layers")
     copied = []
     for i, j in enumerate(layer_ids):
         src = dict(tree_flatten(parts.layers[j].parameters()))
@@ -458,6 +546,27 @@ def init_from_target(draft, parts, layer_ids: list[int]) -> list[str]:
         draft.layers[i].load_weights(new, strict=False)
     mx.eval(draft.parameters())
     return copied
+
+
+def align_context(draft, parts, taps: list[int], layer: int) -> None:
+    """Start the context path where the copied target layer expects its input.
+
+    ``fc`` selects the deepest tap (identity on its slice) and ``hidden_norm`` takes the copied
+    layer's ``input_layernorm`` weights, so that the first drafter layer's context keys/values are
+    (up to the per-head k-norm) the target layer's own keys/values of the previous positions.
+    """
+    import mlx.core as mx
+
+    hidden = parts.norm.weight.shape[0]
+    n = len(taps)
+    deepest = int(np.argmax(taps))
+    w = np.zeros((hidden, n * hidden), dtype=np.float32)
+    w[:, deepest * hidden:(deepest + 1) * hidden] = np.eye(hidden, dtype=np.float32)
+    draft.fc.weight = mx.array(w)
+    ln = parts.layers[layer].input_layernorm.weight
+    if ln.shape == draft.hidden_norm.weight.shape:
+        draft.hidden_norm.weight = ln.astype(mx.float32)
+    mx.eval(draft.parameters())
 
 
 def head_matrix(parts):
@@ -505,14 +614,22 @@ class Batch:
     soft_p: object | None  # (n, bs-1, K) probabilities (0 for ids outside the vocabulary)
     n_rows: int = 0
     n_blocks: int = 0
+    neg_w: object | None = None  # (R, H) head rows of sampled negatives (outside the vocabulary)
 
 
 def block_loss(draft, embed, head_w, batch: Batch, soft_weight: float):
-    """Weighted loss over all block rows, plus per-row correctness (for accuracy and τ)."""
+    """Weighted loss over all block rows, plus per-row correctness (for accuracy and τ).
+
+    ``head_w`` rows are the training vocabulary (label indices point into it); the batch's
+    ``neg_w`` rows (sampled negatives from the rest of the full head) only join the softmax.
+    Returns ``(loss, hard_loss, correct, hidden)``; ``hidden`` carries no gradient.
+    """
     import mlx.core as mx
 
     h = draft_hidden(draft, batch.context, batch.seq_index, embed(batch.tokens), batch.anchors,
                      batch.masks)[:, 1:]
+    if batch.neg_w is not None:
+        head_w = mx.concatenate([head_w, batch.neg_w], axis=0)
     logits = h @ head_w.T
     logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     valid = batch.labels >= 0
@@ -526,7 +643,7 @@ def block_loss(draft, embed, head_w, batch: Batch, soft_weight: float):
     loss = (per_row * w).sum() / mx.maximum(w.sum(), 1e-9)
     correct = (mx.argmax(logits, axis=-1) == batch.labels) & valid
     hard_loss = (hard * w).sum() / mx.maximum(w.sum(), 1e-9)
-    return loss, hard_loss, correct
+    return loss, hard_loss, correct, mx.stop_gradient(h)
 
 
 def block_stats(correct: np.ndarray, labels: np.ndarray) -> dict:
@@ -599,9 +716,11 @@ def export_draft(draft, cfg_dict: dict, out: Path, extra: dict | None = None) ->
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(draft.parameters())}
-    tmp = out / "model.safetensors.tmp"
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    tmp_dir = out.parent / f".{out.name}.export-tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(tmp_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+    os.replace(tmp_dir / "model.safetensors", out / "model.safetensors")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
     cfg = dict(cfg_dict)
     if extra:
         cfg["dflash_training"] = extra
@@ -642,7 +761,11 @@ class TrainOptions:
     soft_topk: int = 16
     init: str = "none"
     vocab: str = "data"
+    negatives: int = 1024
+    mine_every: int = 10
     feature_cache: str = "auto"
+    feature_workers: int = 0
+    only_cached: bool = False
     max_len: int = 1024
     skip_truncated: bool = False
     refresh_data: bool = False
@@ -707,10 +830,7 @@ class Trainer:
 
         # Target
         self.model, self.tokenizer = load(o.target)
-        try:
-            self.parts = target_parts(self.model)
-        except UnsupportedTargetError:
-            raise
+        self.parts = target_parts(self.model)  # UnsupportedTargetError: layers cannot be tapped
         self.tcfg = target_config(Path(o.target)) if Path(o.target).is_dir() else {}
         self.samples = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
 
@@ -737,8 +857,11 @@ class Trainer:
         mx.random.seed(o.seed)
         self.draft = DFlashDraftModel(self.cfg)
         if not saved and o.init != "none":
-            ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers)
+            ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
+                                 self.taps)
             init_from_target(self.draft, self.parts, ids)
+            if o.init == "aligned":
+                align_context(self.draft, self.parts, self.taps, ids[0])
         self.draft.train()
 
         # Frozen target pieces
@@ -753,6 +876,9 @@ class Trainer:
             base = self.ckpt_dir / "features" if o.feature_cache == "auto" else Path(o.feature_cache)
             cache_dir = base / FeatureStore.signature(self.taps, o.soft_topk)
         self.features = FeatureStore(self.parts, self.taps, o.soft_topk, cache_dir)
+        self._precompute()
+        if o.only_cached:
+            self.samples = self._cached(self.samples)
 
         # Optimizer
         import mlx.optimizers as optim
@@ -773,6 +899,7 @@ class Trainer:
         self.val_ids: list[str] = []
         self.history: list[dict] = []
         self.best_tau = 0.0
+        self.ema = None
         if saved:
             self._restore(saved)
         else:
@@ -834,6 +961,9 @@ class Trainer:
         new = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
         if len(new) > len(self.samples):
             print(f"train: data grew {len(self.samples)} -> {len(new)} samples")
+        self._precompute()
+        if o.only_cached:
+            new = self._cached(new)
         self.samples = new
         self._by_id = {s.id: s for s in self.samples}
         if o.vocab == "data":
@@ -841,6 +971,27 @@ class Trainer:
             extra = sorted(seen - set(self.vocab_ids.tolist()))
             if extra:
                 self._set_vocab(np.concatenate([self.vocab_ids, np.array(extra, dtype=np.int64)]))
+
+    def _precompute(self) -> None:
+        """With ``--feature-workers N``: fill the cache for all samples with N processes first."""
+        o = self.opts
+        if not o.feature_workers or self.features.cache_dir is None:
+            return
+        missing = sum(not self.features.has(s) for s in self.samples)
+        if missing:
+            print(f"train: computing target features of {missing} samples with "
+                  f"{o.feature_workers} processes")
+            precompute_features(o.target, o.data, self.taps, o.soft_topk, self.features.cache_dir,
+                                o.max_len, o.skip_truncated, o.feature_workers, o.progress)
+
+    def _cached(self, samples: list[Sample]) -> list[Sample]:
+        if self.features.cache_dir is None:
+            raise TrainConfigError("--only-cached needs a feature cache (--feature-cache)")
+        kept = [s for s in samples if self.features.has(s)]
+        if not kept:
+            raise TrainingDataError(f"data set {self.opts.data}: no sample has cached features in "
+                                    f"{self.features.cache_dir} yet (run --features-only first)")
+        return kept
 
     def _next_samples(self) -> list[Sample]:
         out = []
@@ -896,8 +1047,9 @@ class Trainer:
             p = p / np.maximum(p.sum(-1, keepdims=True), 1e-9)
             p = p * (labels_np >= 0)[..., None]
             soft_ids, soft_p = mx.array(np.maximum(sub, 0)), mx.array(p.astype(np.float32))
+        neg_w = self._negatives(rng)
         return Batch(
-            context=mx.array(context), seq_index=mx.array(np.concatenate(seq_idx)),
+            neg_w=neg_w, context=mx.array(context), seq_index=mx.array(np.concatenate(seq_idx)),
             tokens=mx.array(np.concatenate(tokens)), anchors=mx.array(anchors_np.astype(np.int32)),
             masks=masks, labels=mx.array(sub_labels), weights=mx.array(weights),
             soft_ids=soft_ids, soft_p=soft_p, n_rows=int((sub_labels >= 0).sum()),
@@ -910,19 +1062,55 @@ class Trainer:
         import mlx.optimizers as optim
 
         if self._vg is None:
-            def loss_fn(draft, batch):
-                loss, hard, correct = block_loss(draft, self.embed, self.head_w, batch,
-                                                 self.opts.soft_weight)
-                return loss, hard, correct
+            def loss_fn(draft, head_w, batch):
+                return block_loss(draft, self.embed, head_w, batch, self.opts.soft_weight)
 
             self._vg = nn.value_and_grad(self.draft, loss_fn)
-        (loss, hard, correct), grads = self._vg(self.draft, batch)
+        (loss, hard, correct, hidden), grads = self._vg(self.draft, self.head_w, batch)
         grads, gnorm = optim.clip_grad_norm(grads, self.opts.grad_clip)
         self.optimizer.update(self.draft, grads)
         mx.eval(self.draft.parameters(), self.optimizer.state, loss, hard, correct, gnorm)
         stats = block_stats(np.array(correct), np.array(batch.labels))
         stats.update(loss=float(loss), ce=float(hard), gnorm=float(gnorm))
+        o = self.opts
+        if o.vocab == "data" and o.mine_every and (self.step + 1) % o.mine_every == 0:
+            self._mine(hidden, np.array(batch.labels) >= 0)
         return stats
+
+    def _negatives(self, rng: np.random.Generator):
+        """Head rows of ``--negatives`` random ids outside the training vocabulary."""
+        import mlx.core as mx
+
+        n = self.opts.negatives
+        if self.opts.vocab != "data" or n <= 0:
+            return None
+        rest = np.flatnonzero(self.to_sub < 0)
+        if not len(rest):
+            return None
+        ids = rng.choice(rest, size=min(n, len(rest)), replace=False)
+        return self.head_full[mx.array(ids)]
+
+    def _mine(self, hidden, valid: np.ndarray, max_rows: int = 512, k: int = 4) -> int:
+        """Add ids that win the *full* head on some rows but lie outside the training vocabulary.
+
+        The restricted-vocabulary loss never pushes those down, and at inference the engine takes
+        the argmax of the full head: without this, a few "hub" tokens win most rows there.
+        """
+        import mlx.core as mx
+
+        rows = np.flatnonzero(valid.reshape(-1))
+        if not len(rows):
+            return 0
+        rng = np.random.default_rng([self.opts.seed, self.step, 11])
+        rows = rng.choice(rows, size=min(max_rows, len(rows)), replace=False)
+        h = hidden.reshape(-1, hidden.shape[-1])[mx.array(rows)]
+        logits = h @ self.head_full.T
+        top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        ids = np.unique(np.array(top))
+        new = ids[self.to_sub[ids] < 0]
+        if len(new):
+            self._set_vocab(np.concatenate([self.vocab_ids, new.astype(np.int64)]))
+        return len(new)
 
     def evaluate_loss(self, samples: list[Sample]) -> dict:
         """Loss/accuracy/τ-estimate on validation samples (fixed anchors, no update)."""
@@ -933,10 +1121,16 @@ class Trainer:
         rng = np.random.default_rng([self.opts.seed, 99])
         tot = {"loss": 0.0, "acc1": 0.0, "acc": 0.0, "tau": 0.0}
         for i in range(0, len(samples), self.opts.batch_seqs):
-            batch = self.make_batch(samples[i:i + self.opts.batch_seqs], rng, 64)
-            loss, hard, correct = block_loss(self.draft, self.embed, self.head_w, batch, 0.0)
-            mx.eval(loss, correct)
-            st = block_stats(np.array(correct), np.array(batch.labels))
+            batch = self.make_batch(samples[i:i + self.opts.batch_seqs], rng, 16)
+            batch.neg_w = None
+            loss, hard, _, h = block_loss(self.draft, self.embed, self.head_w, batch, 0.0)
+            # accuracy as the engine sees it: argmax over the full head
+            labels = np.array(batch.labels)
+            full_labels = np.where(labels >= 0, self.vocab_ids[np.maximum(labels, 0)], -1)
+            pred = mx.argmax(h @ self.head_full.T, axis=-1)
+            mx.eval(loss, pred)
+            correct = (np.array(pred) == full_labels) & (full_labels >= 0)
+            st = block_stats(correct, full_labels)
             n = len(samples[i:i + self.opts.batch_seqs])
             tot["loss"] += float(loss) * n
             for k in ("acc1", "acc", "tau"):
@@ -961,7 +1155,7 @@ class Trainer:
             "order": self.order, "val_ids": self.val_ids, "vocab_ids": self.vocab_ids.tolist(),
             "draft_config": self.cfg_dict, "options": {k: v for k, v in asdict(self.opts).items()
                                                        if k != "extra"},
-            "history": self.history[-200:], "best_tau": self.best_tau,
+            "history": self.history[-200:], "best_tau": self.best_tau, "ema": self.ema,
             "data_samples": len(self.samples),
         }
 
@@ -1009,6 +1203,7 @@ class Trainer:
         self.order, self.val_ids = saved["order"], saved["val_ids"]
         self.history = saved.get("history", [])
         self.best_tau = saved.get("best_tau", 0.0)
+        self.ema = saved.get("ema")
         if self.opts.refresh_data:
             pass  # new samples join at the next epoch boundary
         mx.eval(self.draft.parameters(), self.optimizer.state)
@@ -1025,7 +1220,7 @@ class Trainer:
         bar = tqdm(total=o.steps, initial=self.step, desc="train", unit="step",
                    disable=not o.progress, dynamic_ncols=True, mininterval=2.0)
         val = [self._by_id[i] for i in self.val_ids if i in self._by_id]
-        ema = None
+        ema = self.ema
         rows = 0
         t_rows = time.perf_counter()
         log = self.ckpt_dir / "metrics.jsonl"
@@ -1037,6 +1232,7 @@ class Trainer:
             self.step += 1
             rows += batch.n_rows
             ema = st if ema is None else {k: 0.95 * ema[k] + 0.05 * st[k] for k in st}
+            self.ema = ema
             lr = float(self.optimizer.learning_rate)
             bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.2f}",
                             tau=f"{ema['tau']:.2f}", lr=f"{lr:.1e}",
@@ -1048,7 +1244,8 @@ class Trainer:
                 record = {"step": self.step, "epoch": self.epoch, "lr": lr,
                           "time": round(time.time() - t_start, 1),
                           "rows_s": round(rows / (time.perf_counter() - t_rows), 1),
-                          **{k: round(v, 4) for k, v in ema.items()}}
+                          **{k: round(v, 4) for k, v in ema.items()},
+                          "step_loss": round(st["loss"], 5), "vocab": len(self.vocab_ids)}
             if o.eval_every and (self.step % o.eval_every == 0 or last):
                 record = record or {"step": self.step}
                 record.update({k: round(v, 4) for k, v in self.evaluate_loss(val).items()})
@@ -1084,7 +1281,7 @@ def train(**kwargs) -> Path:
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", help="mlx-lm target folder (default: the built-in SmolLM2 target)")
     p.add_argument("--data", required=True, help="folder written by `dflash datagen` (or a JSONL)")
-    p.add_argument("--out", required=True, help="output drafter folder (Hugging Face DFlash)")
+    p.add_argument("--out", help="output drafter folder (Hugging Face DFlash)")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--taps", default=None,
@@ -1106,11 +1303,26 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--soft-topk", type=int, default=16,
                    help="top-k of the target distribution kept for soft targets (0: none)")
     p.add_argument("--init", default="none",
-                   help="initialise drafter layers from target layers: none|first|last|spread|ids")
+                   help="initialise drafter layers from target layers: "
+                        "none|first|last|spread|aligned|ids (aligned: the layers after the "
+                        "deepest tap, with fc selecting that tap)")
     p.add_argument("--vocab", choices=("data", "full"), default="data",
                    help="training-loss vocabulary: ids seen in the data (fast) or the full head")
+    p.add_argument("--negatives", type=int, default=1024,
+                   help="random ids from outside the training vocabulary joining each step's "
+                        "softmax (the engine drafts with the full head)")
+    p.add_argument("--mine-every", type=int, default=10,
+                   help="every N steps, add ids that win the full head on training rows to the "
+                        "training vocabulary (0: never)")
     p.add_argument("--feature-cache", default="auto",
                    help="folder for cached target features, `auto` (<out>/train/features) or none")
+    p.add_argument("--feature-workers", type=int, default=0,
+                   help="processes that fill the feature cache before training (0: compute lazily)")
+    p.add_argument("--only-cached", action="store_true",
+                   help="train only on samples whose features are already cached (a separate "
+                        "--features-only job fills the cache as datagen writes new samples)")
+    p.add_argument("--features-only", action="store_true",
+                   help="only fill the feature cache for --data (needs --feature-cache PATH) and exit")
     p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this length")
     p.add_argument("--skip-truncated", action="store_true",
                    help="drop responses that hit datagen's length cap")
@@ -1145,9 +1357,32 @@ def run_train(args: argparse.Namespace) -> Path:
         from .default_pair import default_target_path
 
         opts["target"] = str(default_target_path())
+    if getattr(args, "features_only", False):
+        return _features_only(opts)
+    if not opts.get("out"):
+        raise TrainConfigError("--out: the output drafter folder is required")
     out = train(**opts)
     print(f"train: drafter written to {out}")
     return out
+
+
+def _features_only(opts: dict) -> Path:
+    from .model_mlx import load
+    from .target import target_parts
+
+    cache = opts.get("feature_cache")
+    if cache in (None, "", "auto", "none"):
+        raise TrainConfigError("--features-only needs --feature-cache PATH")
+    model, _ = load(opts["target"])
+    parts = target_parts(model)
+    taps = parse_taps(opts.get("taps"), parts.num_layers)
+    del model, parts
+    path = Path(cache) / FeatureStore.signature(taps, opts.get("soft_topk", 16))
+    precompute_features(opts["target"], opts["data"], taps, opts.get("soft_topk", 16), path,
+                        opts.get("max_len", 1024), opts.get("skip_truncated", False),
+                        max(1, opts.get("feature_workers") or 1), opts.get("progress", True))
+    print(f"train: features cached in {path}")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1161,12 +1396,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import dflash  # noqa: F401
-
     raise SystemExit(main())
 
 
 __all__ = ["Trainer", "TrainOptions", "train", "add_train_args", "run_train", "measure_tau",
            "build_blocks", "block_visibility", "training_visibility", "loss_weights",
            "sample_anchors", "default_taps", "pick_mask_token", "TrainConfigError",
-           "TrainingDataError", "math"]
+           "TrainingDataError"]

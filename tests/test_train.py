@@ -1,0 +1,382 @@
+"""dflash train: the recipe element by element, training on tiny targets, resume, export, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+# isort: off
+import dflash  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+# isort: on
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tiny_models import write_target
+
+from dflash.drafter import load_draft
+from dflash.errors import DFlashError, UnsupportedTargetError
+from dflash.train import (
+    TrainConfigError,
+    Trainer,
+    TrainingDataError,
+    TrainOptions,
+    add_train_args,
+    block_loss,
+    block_visibility,
+    build_blocks,
+    default_gamma,
+    default_taps,
+    draft_hidden,
+    init_from_target,
+    loss_weights,
+    measure_tau,
+    pick_mask_token,
+    run_train,
+    sample_anchors,
+    training_visibility,
+)
+
+CYCLE = 24  # the pattern target walks a fixed cycle of this many token ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: a tiny target with a learnable pattern, and data generated from it
+
+
+def make_pattern_target(path: Path) -> dict[int, int]:
+    """A tiny Qwen3 whose greedy continuation walks a fixed cycle: next = f(current token).
+
+    Attention/MLP outputs are zeroed, so the last hidden state is the current token's embedding;
+    the untied head maps it to its successor in a random cycle over ids 100..100+CYCLE.
+    """
+    write_target(path, "qwen3", vocab_size=512, layers=4, seed=0)
+    w = dict(mx.load(str(path / "model.safetensors")))
+    for k in list(w):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = mx.zeros_like(w[k])
+    rng = np.random.default_rng(0)
+    cyc = 100 + rng.permutation(CYCLE)
+    succ = {int(cyc[i]): int(cyc[(i + 1) % CYCLE]) for i in range(CYCLE)}
+    emb = np.array(w["model.embed_tokens.weight"])
+    head = rng.normal(0, 0.01, emb.shape).astype(np.float32)
+    for x, y in succ.items():
+        head[y] = emb[x] / np.sqrt((emb[x] ** 2).mean()) * 0.5
+    w["lm_head.weight"] = mx.array(head)
+    mx.save_safetensors(str(path / "model.safetensors"), w)
+    return succ
+
+
+def pattern_records(succ: dict[int, int], n: int, seed: int, length: int = 40) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    ids = sorted(succ)
+    out = []
+    for i in range(n):
+        prompt = [int(x) for x in rng.choice(ids, size=int(rng.integers(4, 16)))]
+        resp, t = [], prompt[-1]
+        for _ in range(length):
+            t = succ[t]
+            resp.append(t)
+        out.append({"id": f"s{seed}-{i:03d}", "prompt_ids": prompt, "response_ids": resp,
+                    "finish_reason": "length"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pattern(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pattern")
+    succ = make_pattern_target(root / "target")
+    data = root / "data"
+    data.mkdir()
+    with (data / "gen-00.jsonl").open("w") as f:
+        for r in pattern_records(succ, 64, seed=1):
+            f.write(json.dumps(r) + "\n")
+    held_out = [r["prompt_ids"] for r in pattern_records(succ, 4, seed=2)]
+    return {"root": root, "target": root / "target", "data": data, "succ": succ,
+            "held_out": held_out}
+
+
+def opts(pattern, out, **kw) -> TrainOptions:
+    base = dict(target=str(pattern["target"]), data=str(pattern["data"]), out=str(out),
+                layers=1, block_size=8, taps="0,2", steps=40, batch_seqs=4, anchors=16, lr=3e-3,
+                checkpoint_every=1000, progress=False, val_percent=0, soft_weight=0.0)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe, element by element
+
+
+def test_loss_weights_decay():
+    w = loss_weights(16, 7.0)
+    assert w.shape == (16,)
+    assert w[0] == 0.0  # the anchor row carries no loss
+    for k in range(1, 16):
+        assert w[k] == pytest.approx(math.exp(-(k - 1) / 7.0), rel=1e-6)
+    assert default_gamma(16) == 7.0 and default_gamma(8) == 4.0
+
+
+def test_blocks_and_same_position_labels():
+    ids = np.arange(100, 130)  # token at position p is 100 + p
+    anchors = np.array([10, 20, 27])
+    tokens, labels, positions = build_blocks(ids, anchors, 8, mask_token_id=7)
+    for b, a in enumerate(anchors):
+        assert tokens[b, 0] == ids[a]  # the anchor token itself
+        assert (tokens[b, 1:] == 7).all()  # then masks
+        assert labels[b, 0] == -1  # row 0: no label
+        for k in range(8):
+            assert positions[b, k] == a + k
+            if k >= 1:
+                # row k predicts the token AT anchor + k (same position, no shift)
+                expected = ids[a + k] if a + k < len(ids) else -1
+                assert labels[b, k] == expected
+    assert (labels[2, 3:] == -1).all() and labels[2, 2] == ids[29]
+
+
+def test_anchors_inside_the_response():
+    rng = np.random.default_rng(0)
+    a = sample_anchors(rng, prompt_len=12, seq_len=40, n=10)
+    assert len(a) == 10 and len(set(a.tolist())) == 10 and (np.diff(a) > 0).all()
+    assert a.min() >= 12 and a.max() <= 38  # the anchor is a response token with a label after it
+    assert sample_anchors(rng, 12, 15, 10).tolist() == [12, 13]  # fewer positions than asked
+    assert len(sample_anchors(rng, 12, 13, 10)) == 0  # one response token: nothing to predict
+    again = sample_anchors(np.random.default_rng(0), 12, 40, 10)
+    assert (again == a).all()
+
+
+def test_visibility_context_strictly_before_anchor_and_bidirectional_block():
+    anchors = np.array([5, 9, 12])
+    ctx_len, bs = 16, 4
+    vis = block_visibility(anchors, ctx_len, bs)
+    assert vis.shape == (3, bs, ctx_len + bs)
+    for b, a in enumerate(anchors):
+        for j in range(bs):
+            for c in range(ctx_len):
+                # context row c (the token at position c) is visible iff c < anchor
+                assert vis[b, j, c] == (c < a), (b, j, c)
+            assert vis[b, j, ctx_len:].all()  # bidirectional inside the block
+        assert vis[b, :, a - 1].all() and not vis[b, :, a].any()
+
+
+def test_full_matrix_has_no_cross_block_visibility():
+    anchors = np.array([3, 6, 7])
+    ctx_len, bs = 8, 3
+    full = training_visibility(anchors, ctx_len, bs)
+    assert full.shape == (3 * bs, ctx_len + 3 * bs)
+    for r in range(3 * bs):
+        b = r // bs
+        for c in range(ctx_len):
+            assert full[r, c] == (c < anchors[b])
+        for k in range(3 * bs):
+            assert full[r, ctx_len + k] == (k // bs == b), (r, k)  # own block only
+
+
+def test_sliding_layers_follow_the_engine():
+    vis = block_visibility(np.array([10]), 12, 4, window=4, causal=True)
+    for j in range(4):
+        q = 10 + j
+        for c in range(12):
+            assert vis[0, j, c] == (c < 10 and q - c < 4)
+        assert (vis[0, j, 12:] == (np.arange(4) <= j)).all()
+
+
+def test_default_taps_and_mask_token(pattern):
+    assert default_taps(30) == [1, 8, 14, 20, 27]
+    assert default_taps(36) == [1, 9, 17, 25, 33]  # as the published Qwen3-8B drafter
+    assert default_taps(2, 5) == [0, 1]
+    from dflash.model_mlx import load
+
+    _, tok = load(str(pattern["target"]))
+    mask = pick_mask_token(tok, 49152)
+    template = tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                       add_generation_prompt=True)
+    assert mask not in template and mask not in tok.eos_token_ids
+    assert mask in tok._tokenizer.all_special_ids  # SmolLM2: a spare special token (<empty_output>)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training forward is the engine's forward
+
+
+def test_training_forward_equals_engine_forward(pattern, tmp_path):
+    tr = Trainer(opts(pattern, tmp_path / "d", layers=2))
+    sample = tr.samples[0]
+    batch = tr.make_batch([sample, tr.samples[1]], np.random.default_rng(0), 5)
+    h = draft_hidden(tr.draft, batch.context, batch.seq_index, tr.embed(batch.tokens),
+                     batch.anchors, batch.masks)
+    feats = [mx.array(tr.features.get(s)["feats"].astype(np.float32))[None]
+             for s in (sample, tr.samples[1])]
+    for i, (a, s) in enumerate(zip(np.array(batch.anchors), np.array(batch.seq_index))):
+        cache = tr.draft.make_cache()
+        tr.draft.append_context(feats[s][:, :a], cache)  # the engine: context rows 0..a-1
+        ref = tr.draft(tr.embed(batch.tokens[i:i + 1]), cache)[0]
+        assert mx.abs(ref - h[i]).max().item() < 1e-4
+        # and the labels are what the engine compares proposal j (row j+1) with
+        ids = (sample if s == 0 else tr.samples[1]).ids
+        lab = np.array(batch.labels[i])
+        for j in range(7):
+            if a + j + 1 < len(ids):
+                assert tr.vocab_ids[lab[j]] == ids[a + j + 1]
+
+
+def test_target_features_are_the_tapped_layer_outputs(pattern, tmp_path):
+    from dflash.target import forward, make_cache
+
+    tr = Trainer(opts(pattern, tmp_path / "d", soft_topk=4))
+    s = tr.samples[3]
+    f = tr.features.get(s)
+    logits, taps = forward(tr.parts, mx.array(s.ids)[None], make_cache(tr.parts), [0, 2])
+    assert np.allclose(f["feats"].astype(np.float32), np.array(taps[0]), atol=2e-3)
+    # teacher row p is the target's distribution of the token at p+1: its top id = greedy next
+    top = f["top_ids"][np.arange(len(s.ids)), np.argmax(f["top_logp"], -1)]
+    assert (top == np.array(mx.argmax(logits[0], -1))).all()
+    assert (top[s.prompt_len - 1:-1] == s.ids[s.prompt_len:]).all()  # the pattern, greedy
+
+
+def test_init_from_target_copies_layers(pattern, tmp_path):
+    tr = Trainer(opts(pattern, tmp_path / "d", init="last"))
+    src = dict(tree_flatten(tr.parts.layers[3].parameters()))
+    dst = dict(tree_flatten(tr.draft.layers[0].parameters()))
+    for name in ("self_attn.q_proj.weight", "mlp.up_proj.weight", "input_layernorm.weight"):
+        assert mx.array_equal(src[name], dst[name])
+    assert (np.array(dst["self_attn.q_norm.weight"]) == 1).all()
+    assert (np.array(tr.draft.norm.weight) == 1).all()
+    with pytest.raises(TrainConfigError, match="--init"):
+        init_from_target(tr.draft, tr.parts, [0, 1])  # the drafter has one layer
+    # aligned: the layer after the deepest tap (2 -> 3), fc selects that tap's slice
+    al = Trainer(opts(pattern, tmp_path / "al", init="aligned"))
+    assert mx.array_equal(al.draft.layers[0].mlp.up_proj.weight, tr.parts.layers[3].mlp.up_proj.weight)
+    fc = np.array(al.draft.fc.weight)
+    assert (fc[:, 64:] == np.eye(64)).all() and (fc[:, :64] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def test_a_few_steps_lower_the_loss(pattern, tmp_path):
+    tr = Trainer(opts(pattern, tmp_path / "d", soft_weight=0.5, soft_topk=8))
+    batch = tr.make_batch(tr.samples[:4], np.random.default_rng(5))
+    before = block_loss(tr.draft, tr.embed, tr.head_w, batch, 0.5)[0].item()
+    for _ in range(15):
+        tr.train_step(tr.make_batch(tr._next_samples(), np.random.default_rng(tr.step)))
+        tr.step += 1
+    after = block_loss(tr.draft, tr.embed, tr.head_w, batch, 0.5)[0].item()
+    assert after < 0.5 * before, (before, after)
+
+
+def test_trained_drafter_accepts_through_the_engine(pattern, tmp_path):
+    out = tmp_path / "draft"
+    tr = Trainer(opts(pattern, out, steps=150, soft_weight=0.3, soft_topk=8))
+    tr.run()
+    draft = load_draft(out)  # the exported bf16 Hugging Face folder
+    res = measure_tau(tr.model, tr.tokenizer, draft, pattern["held_out"], block_size=8,
+                      max_tokens=32)
+    assert res["tau"] > 2.0, res
+    random_draft = Trainer(opts(pattern, tmp_path / "rand", steps=1)).draft
+    base = measure_tau(tr.model, tr.tokenizer, random_draft, pattern["held_out"], 8, 32)
+    assert base["tau"] < 1.3, base
+
+
+def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
+    straight = Trainer(opts(pattern, tmp_path / "a", steps=8, checkpoint_every=4))
+    straight.run()
+    first = Trainer(opts(pattern, tmp_path / "b", steps=8, checkpoint_every=4, stop_after=4))
+    first.run()
+    assert first.step == 4
+    # the output folder exists now: a plain rerun refuses, --resume continues
+    with pytest.raises(TrainConfigError, match="exists"):
+        Trainer(opts(pattern, tmp_path / "b", steps=8))
+    resumed = Trainer(opts(pattern, tmp_path / "b", steps=8, checkpoint_every=4, resume=True))
+    assert resumed.step == 4 and resumed.cursor == first.cursor and resumed.order == first.order
+    resumed.run()
+    assert resumed.step == 8
+    assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
+    a = dict(tree_flatten(straight.draft.parameters()))
+    b = dict(tree_flatten(resumed.draft.parameters()))
+    for k in a:
+        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert straight.history[-1]["step_loss"] == pytest.approx(resumed.history[-1]["step_loss"],
+                                                              rel=1e-4)
+    assert straight.history[-1]["loss"] == pytest.approx(resumed.history[-1]["loss"], rel=1e-3)
+    # the export loads in the engine with the recorded config
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 4
+    weights = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    assert all(v.dtype == mx.bfloat16 for v in weights.values())
+    draft = load_draft(tmp_path / "b")
+    assert draft.mask_token_id == cfg["dflash_config"]["mask_token_id"]
+
+
+def test_cli_entry_trains_and_writes_a_drafter(pattern, tmp_path):
+    parser = add_train_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", str(pattern["target"]), "--data", str(pattern["data"]),
+                              "--out", str(tmp_path / "cli"), "--layers", "1",
+                              "--block-size", "4", "--taps", "1,3", "--steps", "3",
+                              "--anchors", "4", "--no-progress"])
+    out = run_train(args)
+    assert load_draft(out).block_size == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_settings_raise_named_errors(pattern, tmp_path):
+    with pytest.raises(TrainConfigError, match="block-size"):
+        Trainer(opts(pattern, tmp_path / "x", block_size=1))
+    with pytest.raises(TrainConfigError, match=r"--taps \[4\].*4 layers"):
+        Trainer(opts(pattern, tmp_path / "x", taps="0,4"))
+    with pytest.raises(TrainConfigError, match="--taps"):
+        Trainer(opts(pattern, tmp_path / "x", taps="a,b"))
+    with pytest.raises(TrainConfigError, match="mask-token-id"):
+        Trainer(opts(pattern, tmp_path / "x", mask_token_id=10**6))
+    (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "config.json").write_text("{}")
+    with pytest.raises(TrainConfigError, match="exists.*--resume.*--force"):
+        Trainer(opts(pattern, tmp_path / "exists"))
+    Trainer(opts(pattern, tmp_path / "exists", force=True))  # --force overwrites
+
+
+def test_bad_data_raise_named_errors(pattern, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TrainingDataError, match="no usable samples"):
+        Trainer(opts(pattern, tmp_path / "x", data=str(empty)))
+    with pytest.raises(TrainingDataError, match="no such"):
+        Trainer(opts(pattern, tmp_path / "x", data=str(tmp_path / "missing")))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "gen-00.jsonl").write_text(
+        json.dumps({"id": "a", "prompt_ids": [1, 2], "response_ids": [3, 4, 5]}) + "\n"
+        + json.dumps({"id": "b", "prompt": "hello"}) + "\n")
+    with pytest.raises(TrainingDataError, match=r"gen-00.jsonl:2: needs `prompt_ids`"):
+        Trainer(opts(pattern, tmp_path / "x", data=str(bad)))
+    (bad / "gen-00.jsonl").write_text(
+        json.dumps({"id": "a", "prompt_ids": [1, 2], "response_ids": [3, 4, 999999]}) + "\n")
+    with pytest.raises(TrainingDataError, match="gen-00.jsonl:1: token id outside"):
+        Trainer(opts(pattern, tmp_path / "x", data=str(bad)))
+    assert issubclass(TrainingDataError, DFlashError)
+
+
+def test_target_that_cannot_be_tapped(pattern, tmp_path):
+    """A GPT-2 (no embed_tokens/layers/norm) is refused with the engine's named error."""
+    from mlx_lm.utils import _get_classes
+
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    cfg = {"model_type": "gpt2", "n_ctx": 64, "n_embd": 32, "n_head": 2, "n_layer": 2,
+           "n_positions": 64, "layer_norm_epsilon": 1e-5, "vocab_size": 512}
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(pattern["target"] / name, path / name)
+    with pytest.raises(UnsupportedTargetError, match="cannot find embed_tokens"):
+        Trainer(opts(pattern, tmp_path / "x", target=str(path)))
