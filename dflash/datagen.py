@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 
 from .errors import DFlashError
 from .prompts import PromptFileError, encode_prompt, read_prompts
+from .workers import run_per_core
 
 
 class DataSetError(DFlashError):
@@ -163,27 +162,9 @@ def datagen(target: str | None, prompts: str | Path, out: str | Path, max_tokens
     if workers <= 1:
         _worker(str(target), todo, out, 0, max_tokens, batch_size, temperature, seed, 0, **opts)
     else:
-        old = os.environ.get("OPENBLAS_NUM_THREADS")
-        os.environ["OPENBLAS_NUM_THREADS"] = "1"
-        try:
-            ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=_worker,
-                                 args=(str(target), todo[w::workers], out, w, max_tokens,
-                                       batch_size, temperature, seed, w),
-                                 kwargs=opts)
-                     for w in range(workers)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-        finally:
-            if old is None:
-                os.environ.pop("OPENBLAS_NUM_THREADS", None)
-            else:
-                os.environ["OPENBLAS_NUM_THREADS"] = old
-        bad = [p.exitcode for p in procs if p.exitcode]
-        if bad:
-            raise RuntimeError(f"datagen worker failed with exit code {bad[0]}")
+        run_per_core(_worker, [(str(target), todo[w::workers], out, w, max_tokens, batch_size,
+                                temperature, seed, w) for w in range(workers)],
+                     "datagen", opts)
     print(f"datagen: finished in {time.time() - t0:.0f}s")
     return out
 
@@ -220,20 +201,6 @@ def run_datagen(args: argparse.Namespace) -> Path:
                    chat_template=getattr(args, "chat_template", True),
                    system=getattr(args, "system", None),
                    progress=getattr(args, "progress", True))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_datagen_args(argparse.ArgumentParser(prog="dflash datagen"))
-    try:
-        run_datagen(parser.parse_args(argv))
-    except DFlashError as e:
-        print(f"dflash datagen: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 __all__ = ["datagen", "done_ids", "load_samples", "add_datagen_args", "run_datagen",

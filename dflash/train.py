@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -419,31 +418,15 @@ def precompute_features(target: str, data: str, taps: list[int], topk: int, cach
 
     One single-threaded process per core beats one process with several BLAS threads here.
     """
-    import multiprocessing as mp
+    from .workers import run_per_core
 
     cache_dir = Path(cache_dir)
     args = (str(target), str(data), list(taps), int(topk), str(cache_dir), max_len, skip_truncated)
     if workers <= 1:
         _feature_worker(*args, 0, 1, progress)
         return cache_dir
-    old = os.environ.get("OPENBLAS_NUM_THREADS")
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    try:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_feature_worker, args=(*args, w, workers, progress))
-                 for w in range(workers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-    finally:
-        if old is None:
-            os.environ.pop("OPENBLAS_NUM_THREADS", None)
-        else:
-            os.environ["OPENBLAS_NUM_THREADS"] = old
-    bad = [p.exitcode for p in procs if p.exitcode]
-    if bad:
-        raise RuntimeError(f"feature worker failed with exit code {bad[0]}")
+    run_per_core(_feature_worker, [(*args, w, workers, progress) for w in range(workers)],
+                 "feature")
     return cache_dir
 
 
@@ -821,6 +804,10 @@ class Trainer:
                     f"output folder {self.out} exists: pass --resume to continue its training or "
                     "--force to overwrite it")
         if o.resume and not existing:
+            if self.out.exists() and any(self.out.iterdir()) and not o.force:
+                raise TrainConfigError(
+                    f"--resume: {self.out} exists but holds no training checkpoint "
+                    f"({self.ckpt_dir}/step-*); pass --force to overwrite it")
             print(f"train: no checkpoint in {self.ckpt_dir}; starting from scratch")
         self.resume_from = existing[-1] if (o.resume and existing) else None
 
@@ -1212,6 +1199,7 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Path:
+        from mlx.utils import tree_map
         from tqdm import tqdm
 
         o = self.opts
@@ -1227,8 +1215,21 @@ class Trainer:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         while self.step < end_step:
             rng = np.random.default_rng([o.seed, self.step, 3])
-            batch = self.make_batch(self._next_samples(), rng)
-            st = self.train_step(batch)
+            state = (self.epoch, self.cursor, self.order, self.draft.parameters(),
+                     tree_map(lambda x: x, self.optimizer.state))
+            try:
+                batch = self.make_batch(self._next_samples(), rng)
+                st = self.train_step(batch)
+            except KeyboardInterrupt:
+                # The step did not happen: put weights, optimizer and data cursor back, save, stop.
+                self.epoch, self.cursor, self.order, params, opt_state = state
+                self.draft.update(params)
+                self.optimizer.state = opt_state
+                bar.close()
+                if self.step > 0:
+                    print(f"\ntrain: interrupted; checkpoint at step {self.step} "
+                          f"({self.save_checkpoint()}); continue with --resume")
+                raise
             self.step += 1
             rows += batch.n_rows
             ema = st if ema is None else {k: 0.95 * ema[k] + 0.05 * st[k] for k in st}
@@ -1383,20 +1384,6 @@ def _features_only(opts: dict) -> Path:
                         max(1, opts.get("feature_workers") or 1), opts.get("progress", True))
     print(f"train: features cached in {path}")
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_train_args(argparse.ArgumentParser(prog="dflash train"))
-    try:
-        run_train(parser.parse_args(argv))
-    except DFlashError as e:
-        print(f"dflash train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 __all__ = ["Trainer", "TrainOptions", "train", "add_train_args", "run_train", "measure_tau",

@@ -97,7 +97,7 @@ def test_datagen_writes_records_and_resumes(target, tmp_path, capsys):
 def test_datagen_killed_midway_resumes_without_duplicates(target, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl")
     out = tmp_path / "data"
-    cmd = [sys.executable, "-m", "dflash.datagen", "--target", str(target), "--prompts",
+    cmd = [sys.executable, "-m", "dflash", "datagen", "--target", str(target), "--prompts",
            str(prompts), "--out", str(out), "--max-tokens", "40", "--batch-size", "1",
            "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(Path(dflash.__file__).parent.parent))
