@@ -744,6 +744,7 @@ class TrainOptions:
     soft_topk: int = 16
     init: str = "none"
     vocab: str = "data"
+    export_vocab: bool = True
     negatives: int = 1024
     mine_every: int = 10
     feature_cache: str = "auto"
@@ -1127,11 +1128,15 @@ class Trainer:
     def evaluate_tau(self) -> dict:
         out = {}
         self.draft.eval()
+        # measure what is exported: proposals from the draft vocabulary when it is recorded
+        self.draft.config.draft_vocab_ids = self._draft_vocab()
+        self.draft._head_cut = None
         for bs in [int(b) for b in str(self.opts.eval_block_sizes).split(",") if b]:
             r = measure_tau(self.model, self.tokenizer, self.draft, self.eval_prompts, bs,
                             self.opts.eval_max_tokens)
             out[f"tau_b{bs}"] = round(r["tau"], 3)
             out[f"acc_pos_b{bs}"] = r["acceptance_by_position"][:8]
+        self.draft.config.draft_vocab_ids = None
         self.draft.train()
         return out
 
@@ -1175,7 +1180,18 @@ class Trainer:
         if self.history:
             last = {k: v for k, v in self.history[-1].items() if k.startswith(("tau_", "val_"))}
             meta.update(last)
-        return export_draft(self.draft, self.cfg_dict, out or self.out, meta)
+        cfg = self.cfg_dict
+        vocab = self._draft_vocab()
+        if vocab is not None:
+            cfg = dict(cfg, dflash_config=dict(cfg["dflash_config"], draft_vocab_ids=vocab))
+        return export_draft(self.draft, cfg, out or self.out, meta)
+
+    def _draft_vocab(self) -> list[int] | None:
+        """With ``--vocab data`` (and not ``--no-export-vocab``): the ids the drafter may propose
+        at inference, i.e. its training vocabulary (``dflash_config.draft_vocab_ids``)."""
+        if self.opts.vocab != "data" or not self.opts.export_vocab:
+            return None
+        return sorted(int(i) for i in self.vocab_ids)
 
     def _restore(self, saved: dict) -> None:
         import mlx.core as mx
@@ -1309,6 +1325,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "deepest tap, with fc selecting that tap)")
     p.add_argument("--vocab", choices=("data", "full"), default="data",
                    help="training-loss vocabulary: ids seen in the data (fast) or the full head")
+    p.add_argument("--no-export-vocab", dest="export_vocab", action="store_false",
+                   help="with --vocab data, do not record the training vocabulary as "
+                        "dflash_config.draft_vocab_ids (the engine then drafts from the full head)")
     p.add_argument("--negatives", type=int, default=1024,
                    help="random ids from outside the training vocabulary joining each step's "
                         "softmax (the engine drafts with the full head)")

@@ -311,6 +311,9 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     assert all(v.dtype == mx.bfloat16 for v in weights.values())
     draft = load_draft(tmp_path / "b")
     assert draft.mask_token_id == cfg["dflash_config"]["mask_token_id"]
+    # proposals are limited to the training vocabulary (the ids of the data)
+    assert cfg["dflash_config"]["draft_vocab_ids"] == sorted(resumed.vocab_ids.tolist())
+    assert set(cfg["dflash_config"]["draft_vocab_ids"]) >= set(pattern["succ"])
 
 
 def test_cli_entry_trains_and_writes_a_drafter(pattern, tmp_path):
@@ -340,6 +343,8 @@ def test_bad_settings_raise_named_errors(pattern, tmp_path):
     (tmp_path / "exists" / "config.json").write_text("{}")
     with pytest.raises(TrainConfigError, match="exists.*--resume.*--force"):
         Trainer(opts(pattern, tmp_path / "exists"))
+    with pytest.raises(TrainConfigError, match="holds no training checkpoint"):
+        Trainer(opts(pattern, tmp_path / "exists", resume=True))  # e.g. a published drafter
     Trainer(opts(pattern, tmp_path / "exists", force=True))  # --force overwrites
 
 
@@ -380,3 +385,29 @@ def test_target_that_cannot_be_tapped(pattern, tmp_path):
         shutil.copy(pattern["target"] / name, path / name)
     with pytest.raises(UnsupportedTargetError, match="cannot find embed_tokens"):
         Trainer(opts(pattern, tmp_path / "x", target=str(path)))
+
+
+def test_interrupted_run_checkpoints_and_resumes_exactly(pattern, tmp_path):
+    """Ctrl-C in the middle of a step: that step is undone, saved, and redone on --resume."""
+    straight = Trainer(opts(pattern, tmp_path / "a", steps=6, checkpoint_every=100))
+    straight.run()
+    tr = Trainer(opts(pattern, tmp_path / "b", steps=6, checkpoint_every=100))
+    real_step = tr.train_step
+
+    def flaky(batch):
+        if tr.step == 4:
+            real_step(batch)  # the update happens ... and then the user presses Ctrl-C
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    tr.train_step = flaky
+    with pytest.raises(KeyboardInterrupt):
+        tr.run()
+    resumed = Trainer(opts(pattern, tmp_path / "b", steps=6, checkpoint_every=100, resume=True))
+    assert resumed.step == 4
+    resumed.run()
+    a = dict(tree_flatten(straight.draft.parameters()))
+    b = dict(tree_flatten(resumed.draft.parameters()))
+    for k in a:
+        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
