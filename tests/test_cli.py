@@ -190,19 +190,6 @@ def test_bad_paths_and_settings_give_one_line(pair, tmp_path):
                    code=2)
 
 
-def test_default_pair_without_drafter_is_one_line():
-    from dflash.default_pair import default_draft_path
-
-    try:
-        default_draft_path()
-    except FileNotFoundError:
-        pass
-    else:
-        pytest.skip("the built-in drafter exists")
-    line = one_error_line(run("generate", "--prompt", "x"))
-    assert "--draft" in line
-
-
 def test_chat_multi_turn_reset_and_stats(pair, loaded_pair):
     from dflash.model_mlx import generate
     from dflash.prompts import encode_prompt
