@@ -189,9 +189,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--presence-penalty", type=float, default=0.0, help="(default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="(default 0)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    g.add_argument("--proposal", choices=("argmax", "sample"), default="argmax",
-                   help="how the drafter proposes when sampling: argmax (default, highest "
-                        "acceptance) or sample (rejection sampling); both are exact")
+    g.add_argument("--proposal", choices=("argmax", "sample"), default=None,
+                   help="how the drafter proposes when sampling: sample (default; rejection "
+                        "sampling, accepted more on the built-in pair) or argmax; both exact")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the text contains TEXT (repeatable)")
     g.add_argument("--prefill-step-size", type=int, default=2048,

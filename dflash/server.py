@@ -556,7 +556,7 @@ class Server:
             presence_penalty=_number(body, "presence_penalty", 0.0, float, lo=-2, hi=2),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, float, lo=-2, hi=2),
             seed=seed, logit_bias=logit_bias)
-        proposal = body.get("proposal", "argmax")
+        proposal = body.get("proposal", "sample")
         try:
             SamplingConfig(proposal=proposal, **sampling).validate(self.vocab_size)
         except GenerationConfigError as e:

@@ -109,7 +109,7 @@ def stream_generate(
     logit_bias: dict[int, float] | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: Sequence[Callable] | None = None,
-    proposal: str = "argmax",
+    proposal: str | None = None,
     presence_context_size: int = 20,
     frequency_context_size: int = 20,
     stop: str | Sequence[str] | None = None,
@@ -134,6 +134,10 @@ def stream_generate(
         raise GenerationConfigError(f"max_tokens={max_tokens!r}: must be an integer >= 0")
     if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
         raise GenerationConfigError(f"prefill_step_size={prefill_step_size!r}: must be >= 1")
+    if proposal is None:
+        # Measured on the built-in pair (scripts/bench_sampling.py): sampled proposals accept more
+        # at T > 0; at T = 0 both modes are the same. A custom sampler has no q to reject against.
+        proposal = "argmax" if sampler is not None else "sample"
     cfg = SamplingConfig(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
