@@ -45,7 +45,7 @@ class GenerationResult:
     stats: DFlashResponse
 
 
-def _stop_sequences(tokenizer, stop: str | Sequence[str] | None) -> list[str]:
+def _stop_sequences(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
@@ -146,7 +146,7 @@ def stream_generate(
         logit_bias=logit_bias, sampler=sampler, logits_processors=logits_processors,
         proposal=proposal, seed=seed)
     cfg.validate(parts.vocab_size)
-    stops = _stop_sequences(tokenizer, stop)
+    stops = _stop_sequences(stop)
 
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
@@ -267,7 +267,8 @@ def _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler
         rollback(cache, trace, keep=a + 1, verified=bs)
         fed += [anchor] + proposals[:a]
         hidden = taps[:, : a + 1]
-        mx.eval(hidden, [c.state for c in cache])
+        # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
+        mx.async_eval(hidden, [c.state for c in cache])
         t2 = time.perf_counter()
 
         stats.draft_time += t1 - t0
