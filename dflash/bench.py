@@ -112,14 +112,15 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 
 
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
-                seed: int) -> dict:
+                seed: int, min_confidence: float | None = None) -> dict:
     from .model_mlx import stream_generate
 
     tokens: list[int] = []
     tic = time.perf_counter()
     first, last = None, None
     for r in stream_generate(pair.model, pair.draft, pair.tokenizer, list(ids),
-                             block_size=block_size, max_tokens=max_tokens, seed=seed, **sampling):
+                             block_size=block_size, max_tokens=max_tokens, seed=seed,
+                             min_confidence=min_confidence, **sampling):
         if first is None:
             first = time.perf_counter()
         tokens.extend(r.tokens)
@@ -128,6 +129,7 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
     out = _timing(tokens, tic, first or end, end)
     out.update(cycles=last.cycles, cycle_tokens=last.mean_tau * last.cycles,
                tau=last.mean_tau, draft_time=last.draft_time, verify_time=last.verify_time,
+               verified_tokens=last.verified_tokens,
                acceptance_by_position=list(last.acceptance_by_position),
                peak_memory_gb=last.peak_memory)
     return out
@@ -203,7 +205,8 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
                     "b_prompt": sum(r["prompt_time"] for r in base_runs),
                     "d_prompt": sum(r["prompt_time"] for r in runs),
                     "draft": sum(r["draft_time"] for r in runs),
-                    "verify": sum(r["verify_time"] for r in runs)},
+                    "verify": sum(r["verify_time"] for r in runs),
+                    "verified": sum(r["verified_tokens"] for r in runs)},
     }
 
 
@@ -222,6 +225,7 @@ def _overall(prompts: list[dict]) -> dict:
     identical = [p["identical"] for p in prompts if p["identical"] is not None]
     return {
         "tau": t["cycle_tokens"] / t["cycles"] if t["cycles"] else 0.0,
+        "verified_per_cycle": t["verified"] / t["cycles"] if t["cycles"] else 0.0,
         "baseline_tokens_per_s": b_tps,
         "dflash_tokens_per_s": d_tps,
         "speedup": d_tps / b_tps if b_tps > 0 else None,
@@ -249,7 +253,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
               seed: int = 0, chat_template: bool = True, system: str | None = None,
               template_kwargs: dict | None = None, limit: int | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
-              pair=None) -> dict:
+              pair=None, min_confidence: float | None = None) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.cli.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
@@ -276,6 +280,9 @@ def run_bench(model: str | None = None, draft: str | None = None,
         pair = load_pair(model, draft, quiet=log is None)
     sizes = [b or pair.draft.block_size for b in block_sizes]
     sizes = list(dict.fromkeys(sizes))
+    from .backend import default_min_confidence
+
+    min_confidence_used = default_min_confidence() if min_confidence is None else min_confidence
     from .prompts import encode_prompt
 
     encoded = [encode_prompt(pair.tokenizer, item, chat_template=chat_template, system=system,
@@ -287,7 +294,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
         n = min(16, max_tokens)
         _run_baseline(pair, encoded[0], n, sampling, seed)
         for bs in sizes:
-            _run_dflash(pair, encoded[0], n, bs, sampling, seed)
+            _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence)
 
     base_runs: list[list[dict]] = [[] for _ in items]
     runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
@@ -306,7 +313,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
                     base_runs[i].append(r)
                     what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
-                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed)
+                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                             f"{r['decode_tps']:.1f} tok/s, τ {r['tau']:.2f}")
@@ -330,7 +337,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "prompts": source, "n_prompts": len(items), "max_tokens": max_tokens,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
-            "block_sizes": sizes, "elapsed_s": elapsed},
+            "block_sizes": sizes, "min_confidence": min_confidence_used, "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
     }
@@ -386,6 +393,8 @@ def markdown(result: dict) -> str:
         f"- prompts: {cfg['prompts']} ({cfg['n_prompts']}), max tokens {cfg['max_tokens']}, "
         f"temperature {cfg['temperature']}, repeats {cfg['repeats']}"
         f"{', after a warm-up' if cfg['warmup'] else ''}",
+        f"- verify: drafted tokens checked while the drafter's running confidence is at least "
+        f"{cfg.get('min_confidence', 0.0)} (0: the whole block)",
         f"- device: {cfg['device']} · {cfg['platform']} · mlx {cfg['mlx']} · "
         f"mlx-lm {cfg['mlx_lm']} · dflash {cfg['dflash']}",
         "- tokens/s are decode speeds (after the first token), same prompt token ids for both",
@@ -422,7 +431,8 @@ def markdown(result: dict) -> str:
         busy = o["draft_time"] + o["verify_time"]
         share = f" ({100 * o['draft_time'] / busy:.0f}% drafting)" if busy > 0 else ""
         acc = " · ".join(f"{j + 1}: {a:.2f}" for j, a in enumerate(o["acceptance_by_position"]))
-        lines += ["", f"Draft {o['draft_time']:.2f} s / verify {o['verify_time']:.2f} s{share}.",
+        lines += ["", f"Draft {o['draft_time']:.2f} s / verify {o['verify_time']:.2f} s{share}; "
+                      f"{o.get('verified_per_cycle', 0.0):.1f} drafted tokens verified per cycle.",
                   "", f"Acceptance by block position: {acc}", ""]
     return "\n".join(lines) + "\n"
 

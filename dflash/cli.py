@@ -177,6 +177,10 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
                    help=f"most tokens to generate (default {max_tokens})")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per draft block (default: the drafter's)")
+    g.add_argument("--min-confidence", type=float, default=None,
+                   help="verify drafted tokens only while the drafter's running confidence "
+                        "stays above this (default: 0.1 on the CPU, 0 = all on GPUs); "
+                        "never changes the output")
     g.add_argument("--temperature", "--temp", type=float, default=0.0,
                    help="0 = greedy, exactly the target's output (default 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
@@ -211,7 +215,7 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        min_confidence=args.min_confidence, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         repetition_context_size=args.repetition_context_size,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -281,6 +285,7 @@ def stats_dict(r, target_tps: float | None = None) -> dict:
         "finish_reason": r.finish_reason,
         "mean_tau": round(r.mean_tau, 4),
         "cycles": r.cycles,
+        "verified_tokens": r.verified_tokens,
         "prompt_tps": round(r.prompt_tps, 2),
         "generation_tps": round(r.generation_tps, 2),
         "draft_time": round(r.draft_time, 4),
@@ -472,7 +477,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, repeats=args.repeats, warmup=not args.no_warmup,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
-        template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log)
+        template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log,
+        min_confidence=args.min_confidence)
     print(format_summary(result), flush=True)
     return 0
 
@@ -551,6 +557,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--block-size", default=None,
                    help="block size or comma-separated list to sweep, e.g. 4,8,16 "
                         "(default: the drafter's)")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="shorter verify passes (see `dflash generate --help`; default: the "
+                        "backend's, 0.1 on the CPU, 0 on GPUs)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")

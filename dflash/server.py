@@ -563,8 +563,9 @@ class Server:
             raise _config_error(e) from None
         if sampling["repetition_penalty"] == 1.0:
             sampling["repetition_penalty"] = None
+        min_confidence = _number(body, "min_confidence", None, float, lo=0, hi=1)
         return dict(sampling, max_tokens=max_tokens, stop=stop, block_size=block_size,
-                    proposal=proposal)
+                    proposal=proposal, min_confidence=min_confidence)
 
     def _chat_prompt(self, body: dict) -> tuple[list[int], bool]:
         """Prompt ids of a chat request and whether the prompt opens a reasoning block."""
@@ -618,6 +619,7 @@ class Server:
         return {
             "mean_tau": round(r.mean_tau, 4),
             "cycles": r.cycles,
+            "verified_tokens": r.verified_tokens,
             "reused_prompt_tokens": r.reused_prompt_tokens,
             "acceptance_by_position": [round(a, 4) for a in r.acceptance_by_position],
             "block_size": job.kwargs.get("block_size") or self.pair.draft.block_size,

@@ -242,12 +242,23 @@ class Sample:
 
 def read_samples(data: str | Path, max_len: int = 1024, skip_truncated: bool = False,
                  vocab_size: int | None = None) -> list[Sample]:
-    """Samples of a ``dflash datagen`` folder (``gen-*.jsonl``) or one JSONL file, sorted by id.
+    """Samples of a ``dflash datagen`` folder (``gen-*.jsonl``) or one JSONL file, sorted by id;
+    ``"A,B"`` (or a list) merges several (ids must not repeat across them).
 
     Lines cut short by an interrupted generation are skipped; records without ``prompt_ids`` /
     ``response_ids`` raise :class:`TrainingDataError` naming the file and line.
     """
-    data = Path(data)
+    sources = data.split(",") if isinstance(data, str) else data
+    if isinstance(sources, (list, tuple)) and len(sources) != 1:
+        merged: dict[str, tuple[Sample, str]] = {}
+        for source in sources:
+            for sample in read_samples(source, max_len, skip_truncated, vocab_size):
+                if sample.id in merged:
+                    raise TrainingDataError(f"sample id {sample.id!r} is in both "
+                                            f"{merged[sample.id][1]} and {source}")
+                merged[sample.id] = (sample, str(source))
+        return sorted((s for s, _ in merged.values()), key=lambda s: s.id)
+    data = Path(sources[0] if isinstance(sources, (list, tuple)) else data)
     if not data.exists():
         raise TrainingDataError(f"data set {data}: no such file or folder")
     files = sorted(data.glob("gen-*.jsonl")) if data.is_dir() else [data]
@@ -1297,7 +1308,8 @@ def train(**kwargs) -> Path:
 
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", help="mlx-lm target folder (default: the built-in SmolLM2 target)")
-    p.add_argument("--data", required=True, help="folder written by `dflash datagen` (or a JSONL)")
+    p.add_argument("--data", required=True,
+                   help="folder written by `dflash datagen` (or a JSONL); several: A,B")
     p.add_argument("--out", help="output drafter folder (Hugging Face DFlash)")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
     p.add_argument("--block-size", type=int, default=16)

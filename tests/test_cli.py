@@ -84,7 +84,7 @@ def test_generate_help_lists_every_engine_setting(capsys):
                    "--repetition-context-size", "--presence-penalty", "--frequency-penalty",
                    "--seed", "--proposal", "--max-tokens", "--block-size", "--system",
                    "--enable-thinking", "--no-enable-thinking", "--no-chat-template", "--json",
-                   "--stop", "--prompt"):
+                   "--stop", "--prompt", "--min-confidence"):
         assert option in out, option
 
 
@@ -131,7 +131,7 @@ def test_generate_sampling_options_reach_the_engine(pair, library):
     target, draft = pair
     settings = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1,
                     repetition_context_size=16, presence_penalty=0.2, frequency_penalty=0.1,
-                    seed=3, proposal="sample", block_size=4)
+                    seed=3, proposal="sample", block_size=4, min_confidence=1.0)
     expected = library("Name a fruit.", max_tokens=12, **settings)
     args = []
     for k, v in settings.items():
@@ -142,6 +142,8 @@ def test_generate_sampling_options_reach_the_engine(pair, library):
     out = json.loads(p.stdout)
     assert out["tokens"] == expected.tokens
     assert len(out["stats"]["acceptance_by_position"]) == 3  # block size 4
+    assert out["stats"]["verified_tokens"] == expected.stats.verified_tokens
+    assert out["stats"]["verified_tokens"] <= out["stats"]["cycles"]  # min_confidence 1
 
 
 def test_generate_raw_prompt_without_template(pair, loaded_pair):
@@ -182,6 +184,9 @@ def test_bad_paths_and_settings_give_one_line(pair, tmp_path):
     line = one_error_line(run("generate", "--model", target, "--draft", draft, "--prompt", "x",
                               "--top-p", 3))
     assert "top_p" in line
+    line = one_error_line(run("generate", "--model", target, "--draft", draft, "--prompt", "x",
+                              "--min-confidence", 2))
+    assert "min_confidence" in line
     line = one_error_line(run("serve", "--model", tmp_path / "missing", "--draft", draft))
     assert "no such folder" in line
     one_error_line(run("bench", "--model", target, "--draft", draft, "--prompts",

@@ -7,6 +7,7 @@ from mlx_lm.generate import generate_step
 from tiny_models import OracleDrafter
 
 from dflash.model_mlx import generate, stream_generate
+from dflash.speculative import _confident_prefix
 from dflash.target import VerifyTrace, forward, make_cache, rollback, target_parts
 
 N_TOKENS = 200
@@ -40,10 +41,42 @@ def references(loaded_pair):
 def test_greedy_equals_target_alone(kind, block_size, loaded_pair, references):
     model, tokenizer, draft = loaded_pair(kind)
     prompt, ref = references(kind)
-    out = generate(model, draft, tokenizer, prompt, block_size=block_size, max_tokens=N_TOKENS)
+    out = generate(model, draft, tokenizer, prompt, block_size=block_size, max_tokens=N_TOKENS,
+                   min_confidence=0.0)
     assert out.tokens == ref
     assert out.finish_reason == "length"
     assert out.stats.generation_tokens == N_TOKENS
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+def test_shorter_verify_keeps_output_and_follows_confidence(kind, loaded_pair, references):
+    model, tokenizer, draft = loaded_pair(kind)
+    prompt, ref = references(kind)
+    verified = []
+    for threshold in (0.0, None, 1e-3, 0.3, 1.0):
+        out = generate(model, draft, tokenizer, prompt, block_size=8, max_tokens=N_TOKENS,
+                       min_confidence=threshold)
+        assert out.tokens == ref, threshold
+        verified.append(out.stats.verified_tokens / out.stats.cycles)
+    assert verified[0] == pytest.approx(7.0, abs=0.2)  # every proposal verified
+    assert verified[-1] == pytest.approx(1.0, abs=0.01)  # only the first (the last cycle: none)
+    assert verified[0] >= verified[2] >= verified[3] >= verified[4]
+    # A confident drafter keeps the whole block under any threshold below its confidence.
+    oracle = OracleDrafter(draft, prompt + ref + [0] * 32, PLANTS["accept-all"])
+    out = generate(model, oracle, tokenizer, prompt, block_size=8, max_tokens=N_TOKENS,
+                   min_confidence=0.5)
+    assert out.tokens == ref and out.stats.mean_tau > 7.5
+
+
+def test_confident_prefix_rule():
+    # Top probabilities of the rows: 0.9, 0.5, 0.9, 0.9 -> running products .9 .45 .405 .3645
+    probs = mx.array([[0.9, 0.1], [0.5, 0.5], [0.1, 0.9], [0.9, 0.1]])
+    logits = mx.log(probs) + 3.0  # any shift: softmax is what counts
+    assert _confident_prefix(logits, 0.95) == 1  # at least one
+    assert _confident_prefix(logits, 0.5) == 1
+    assert _confident_prefix(logits, 0.42) == 2
+    assert _confident_prefix(logits, 0.4) == 3
+    assert _confident_prefix(logits, 0.01) == 4
 
 
 PLANTS = {

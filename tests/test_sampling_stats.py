@@ -216,9 +216,13 @@ class Run:
     accepted_at: np.ndarray  # cycles whose proposal at block position j was accepted
     proposed_at: np.ndarray  # cycles that proposed a token at block position j
     stats_mismatches: int  # runs whose reported statistics disagree with their cycles
+    verified: int = 0  # proposals sent to the target, all runs
+    possible: int = 0  # proposals a full-block verify would have sent
+    cycles: int = 0  # cycles that proposed
 
 
-def run_dflash(pair, raw_np, settings: dict, proposal: str, n: int = N, seed0: int = 0) -> Run:
+def run_dflash(pair, raw_np, settings: dict, proposal: str, n: int = N, seed0: int = 0,
+               min_confidence: float = 0.0) -> Run:
     """``n`` generations of ``K`` tokens (seeds ``seed0...``) through the real loop."""
     model, draft = pair
     seqs = np.zeros((n, K), dtype=np.int64)
@@ -226,15 +230,22 @@ def run_dflash(pair, raw_np, settings: dict, proposal: str, n: int = N, seed0: i
     acc_total = np.zeros(BLOCK - 1)
     prop_total = np.zeros(BLOCK - 1)
     mismatches = 0
+    verified = possible = proposing = 0
     for s in range(n):
-        tokens, generated, cycles, last = [], 0, 0, None
+        tokens, generated, cycles, last, verified_before = [], 0, 0, None, 0
         acc = np.zeros(BLOCK - 1)
         prop = np.zeros(BLOCK - 1)
         for r in stream_generate(model, TableDrafter(draft, raw_np), None, PROMPT,
                                  block_size=BLOCK, max_tokens=K, seed=seed0 + s,
-                                 proposal=proposal, **settings):
+                                 proposal=proposal, min_confidence=min_confidence, **settings):
             if r.cycles != cycles:  # this response closes one cycle
-                n_prop = min(BLOCK, K - generated) - 1
+                n_prop = r.verified_tokens - verified_before
+                verified_before = r.verified_tokens
+                mismatches += not (min(n_prop, 1) <= n_prop <= min(BLOCK, K - generated) - 1)
+                possible += min(BLOCK, K - generated) - 1
+                proposing += n_prop > 0
+                if min_confidence == 0:
+                    mismatches += n_prop != min(BLOCK, K - generated) - 1
                 a = r.accepted
                 if n_prop == 0:
                     paths["plain"] += 1
@@ -251,7 +262,8 @@ def run_dflash(pair, raw_np, settings: dict, proposal: str, n: int = N, seed0: i
         mismatches += not np.isclose(last.mean_tau, (acc.sum() + cycles) / max(cycles, 1))
         acc_total += acc
         prop_total += prop
-    return Run(seqs, paths, acc_total, prop_total, mismatches)
+        verified += last.verified_tokens
+    return Run(seqs, paths, acc_total, prop_total, mismatches, verified, possible, proposing)
 
 
 def chi_square(samples: np.ndarray, joint: np.ndarray) -> tuple[float, int, float]:
@@ -365,6 +377,23 @@ def test_dflash_matches_target_only_distribution(case, proposal, pair, raw_table
         assert run.paths[path] >= 0.02 * proposing, run.paths
     # Statistics per cycle and per block position agree with what the cycles did.
     assert run.stats_mismatches == 0
+
+
+@pytest.mark.parametrize(("case", "proposal"), [("card", "sample"), ("penalties", "argmax"),
+                                                ("temperature", "sample")])
+def test_shorter_verify_keeps_the_target_distribution(case, proposal, pair, raw_table, raw_np):
+    """``min_confidence`` picks how many proposals the target sees from the drafter's own
+    probabilities; the law of the output must not move."""
+    settings = CASES[case]
+    joint = exact_joint(reference_next(raw_table, settings))
+    run = run_dflash(pair, raw_np, settings, proposal, min_confidence=0.1)
+    stat, df, p = chi_square(run.sequences, joint)
+    _report(f"{case}/{proposal}/min_confidence=0.1", run, stat, df, p)
+    assert p >= ALPHA, f"{case}/{proposal}: chi2={stat:.1f} on {df} df, p={p:.2e}"
+    assert run.stats_mismatches == 0
+    assert run.verified == run.proposed_at.sum()
+    # Some cycles were cut short, and some verified more than one proposal.
+    assert run.cycles < run.verified < run.possible, (run.cycles, run.verified, run.possible)
 
 
 class HistoryWithoutProposals(BlockSampler):

@@ -127,6 +127,22 @@ def test_chat_greedy_equals_library(client, reference):
     assert {"draft_time", "verify_time", "generation_tps", "block_size"} <= set(stats)
 
 
+def test_min_confidence_shortens_verify_not_output(client, reference):
+    text, _, _ = reference(chat("Tell me about the sea."), max_tokens=24)
+    seen = {}
+    for value in (0.0, 1.0):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=chat("Tell me about the sea."), max_tokens=24,
+            temperature=0, extra_body={"min_confidence": value})
+        assert r.choices[0].message.content == text
+        stats = r.model_extra["dflash"]
+        seen[value] = stats["verified_tokens"] / stats["cycles"]
+    assert seen[1.0] <= 1.0 < seen[0.0]
+    bad = httpx.post(str(client.base_url) + "chat/completions", json={
+        "model": MODEL_NAME, "messages": chat("hi"), "min_confidence": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_confidence"
+
+
 def test_chat_stream_equals_library(client, reference):
     text, tokens, n_prompt = reference(chat("Count to ten."), max_tokens=20)
     stream = client.chat.completions.create(

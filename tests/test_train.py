@@ -35,6 +35,7 @@ from dflash.train import (
     loss_weights,
     measure_tau,
     pick_mask_token,
+    read_samples,
     run_train,
     sample_anchors,
     training_visibility,
@@ -367,6 +368,23 @@ def test_bad_data_raise_named_errors(pattern, tmp_path):
     with pytest.raises(TrainingDataError, match="gen-00.jsonl:1: token id outside"):
         Trainer(opts(pattern, tmp_path / "x", data=str(bad)))
     assert issubclass(TrainingDataError, DFlashError)
+
+
+def test_several_data_sets_merge_and_ids_may_not_repeat(tmp_path):
+    def write(folder, ids):
+        folder.mkdir()
+        (folder / "gen-00.jsonl").write_text("".join(
+            json.dumps({"id": i, "prompt_ids": [1, 2], "response_ids": [3, 4, 5]}) + "\n"
+            for i in ids))
+        return str(folder)
+
+    math, code = write(tmp_path / "math", ["m1", "m2"]), write(tmp_path / "code", ["c1"])
+    merged = read_samples(f"{math},{code}")
+    assert [s.id for s in merged] == ["c1", "m1", "m2"]
+    assert [s.id for s in read_samples([math, code])] == ["c1", "m1", "m2"]
+    other = write(tmp_path / "other", ["m2"])
+    with pytest.raises(TrainingDataError, match="'m2' is in both"):
+        read_samples(f"{math},{other}")
 
 
 def test_target_that_cannot_be_tapped(pattern, tmp_path):
