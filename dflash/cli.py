@@ -613,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import DFlashError
 
     try:
-        return int(func(args) or 0)
+        rc = func(args)
+        return rc if isinstance(rc, int) else 0  # commands may return what they wrote
     except KeyboardInterrupt:
         if debug:
             raise

@@ -658,7 +658,10 @@ def block_stats(correct: np.ndarray, labels: np.ndarray) -> dict:
 
 def measure_tau(model, tokenizer, draft, prompts: list[list[int]], block_size: int,
                 max_tokens: int = 128) -> dict:
-    """Greedy speculative generation on ``prompts`` (token ids); τ = emitted tokens / cycles."""
+    """Greedy speculative generation on ``prompts`` (token ids); τ = emitted tokens / cycles.
+
+    Every proposal of the block is verified (``min_confidence=0``): τ measures the drafter, not
+    the CPU's verify-length policy."""
     from .speculative import generate
 
     tokens = cycles = 0
@@ -668,7 +671,7 @@ def measure_tau(model, tokenizer, draft, prompts: list[list[int]], block_size: i
     t0 = time.perf_counter()
     for ids in prompts:
         res = generate(model, draft, tokenizer, ids, block_size=block_size,
-                       max_tokens=max_tokens, temperature=0.0)
+                       max_tokens=max_tokens, temperature=0.0, min_confidence=0.0)
         st = res.stats
         tokens += round(st.mean_tau * st.cycles)
         cycles += st.cycles

@@ -126,6 +126,13 @@ def test_cli_entry(target, tmp_path):
                               str(tmp_path / "d"), "--max-tokens", "3", "--no-progress"])
     out = run_datagen(args)
     assert len(load_samples(out)) == 2
+    # The same through the `dflash` command: exit status 0, one more prompt generated.
+    p = subprocess.run([sys.executable, "-m", "dflash", "datagen", "--target", str(target),
+                        "--prompts", str(write_prompts(tmp_path / "p3.jsonl", 3)), "--out",
+                        str(out), "--max-tokens", "3", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert len(load_samples(out)) == 3
 
 
 @pytest.mark.parametrize("lines, where, message", [

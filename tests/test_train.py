@@ -6,6 +6,8 @@ import argparse
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 # isort: off
@@ -325,6 +327,18 @@ def test_cli_entry_trains_and_writes_a_drafter(pattern, tmp_path):
                               "--anchors", "4", "--no-progress"])
     out = run_train(args)
     assert load_draft(out).block_size == 4
+
+
+def test_dflash_train_command_exits_zero(pattern, tmp_path):
+    common = ["--target", str(pattern["target"]), "--data", str(pattern["data"]),
+              "--taps", "1,3", "--no-progress", "--feature-cache", str(tmp_path / "features")]
+    for extra in (["--features-only"],
+                  ["--out", str(tmp_path / "cmd"), "--layers", "1", "--block-size", "4",
+                   "--steps", "2", "--anchors", "4", "--only-cached"]):
+        p = subprocess.run([sys.executable, "-m", "dflash", "train", *common, *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert load_draft(tmp_path / "cmd").block_size == 4
 
 
 # ---------------------------------------------------------------------------------------------
