@@ -228,7 +228,7 @@ def test_bench_subcommand_writes_reports(pair, tmp_path):
                            {"role": "user", "content": "Write a haiku."}]}) + "\n")
     out = tmp_path / "bench"
     p = run("bench", "--model", target, "--draft", draft, "--prompts", prompts, "--max-tokens", 8,
-            "--block-size", "4,8", "--out", out)
+            "--block-size", "4,8", "--min-confidence", 0, "--out", out)
     assert p.returncode == 0, p.stderr
     assert "block 4:" in p.stdout and "block 8:" in p.stdout
     assert "identical at T=0: yes" in p.stdout
@@ -236,6 +236,9 @@ def test_bench_subcommand_writes_reports(pair, tmp_path):
     result = json.loads((out / "bench.json").read_text())
     assert result["identical"] is True
     assert [r["block_size"] for r in result["runs"]] == [4, 8]
+    assert result["config"]["min_confidence"] == 0
+    verified = [r["overall"]["verified_per_cycle"] for r in result["runs"]]
+    assert verified[1] > verified[0] > 1.5  # whole blocks verified (short answers cut the last)
     for name in ("bench.md", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0
 
