@@ -73,6 +73,6 @@ $PY scripts/train_eval_tau.py --draft "$WORK/drafts/smollm2-135m-dflash-6bit" \
     --prompts "$WORK/gsm8k-heldout.jsonl" --n 8 --block-sizes 16 --max-tokens 128
 
 # 6. Speed against mlx-lm on held-out GSM8K + HumanEval prompts (the README's numbers):
-#    block 16: τ 1.57, 0.97x (GSM8K 1.16x, HumanEval 0.75x); whole-block verify 0.83x.
+#    block 16: τ 1.57, 1.00x (GSM8K 1.18x, HumanEval 0.81x); whole-block verify 0.83x.
 $PY -m dflash bench --draft "$WORK/drafts/smollm2-135m-dflash-6bit" \
     --prompts docs/bench/heldout-prompts.jsonl --block-size 4,8,16 --max-tokens 128

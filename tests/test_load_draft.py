@@ -225,7 +225,10 @@ def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, 
     draft.append_context(mx.zeros((1, 3, 2 * draft.config.hidden_size)), cache)
     proposals = mx.argmax(draft.block_logits(parts, 5, 8, cache), axis=-1).tolist()
     assert set(proposals) <= set(vocab)
-    assert generate(model, draft, tokenizer, prompt, max_tokens=40).tokens == ref
+    for threshold in (0.0, 0.01, 0.3, 1.0):  # the confidence reads the vocabulary's columns
+        out = generate(model, draft, tokenizer, prompt, max_tokens=40, min_confidence=threshold)
+        assert out.tokens == ref
+    assert out.stats.verified_tokens <= out.stats.cycles
     bad = write_drafter(tmp_path / "badcut", target,
                         extra={"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 100,
                                                  "draft_vocab_ids": [10**7]}})
