@@ -293,18 +293,6 @@ class Calibration:
         return max(float(kl), 0.0), float(agree)
 
 
-def _head_rows(parts, ids: mx.array) -> mx.array:
-    """Rows ``ids`` of the target's output head as a dense matrix."""
-    head = parts.lm_head
-    if head is None:
-        return parts.embed_tokens(ids)
-    if hasattr(head, "scales"):
-        return mx.dequantize(head.weight[ids], head.scales[ids], head.biases[ids]
-                             if getattr(head, "biases", None) is not None else None,
-                             head.group_size, head.bits, getattr(head, "mode", "affine"))
-    return head.weight[ids]
-
-
 def _prompt_ids(tokenizer, prompts, vocab: int, seed: int, length: int = 48) -> list[list[int]]:
     if tokenizer is not None:
         from .prompts import encode_prompt
@@ -351,7 +339,7 @@ def build_calibration(cfg: DFlashConfig, target=None, prompts=FIXED_PROMPTS,
                 "the target's LM head")
         return Calibration(samples, desc,
                            lambda h: parts.head(h.astype(parts.norm.weight.dtype)),
-                           lambda ids: _head_rows(parts, ids), parts.vocab_size)
+                           parts.head_rows, parts.vocab_size)
 
     samples = []
     for i in range(n_samples):

@@ -236,19 +236,21 @@ class DFlashDraftModel(nn.Module):
         hidden = self(target.embed(block), cache)[0, 1:]
         if self.config.draft_vocab_ids is None:
             return target.head(hidden)
-        ids, rows = self._head_rows(target)
+        ids, rows = self.head_cut(target)
         logits = mx.full((hidden.shape[0], target.vocab_size), -mx.inf, dtype=hidden.dtype)
         logits[:, ids] = hidden @ rows.T
         return logits
 
-    def _head_rows(self, target) -> tuple[mx.array, mx.array]:
-        """The target head's rows for the draft vocabulary, cut once per target."""
+    def head_cut(self, target) -> tuple[mx.array, mx.array]:
+        """``(ids, rows)``: the draft vocabulary and the target head's rows for it, cut once per
+        target and vocabulary."""
+        vocab = self.config.draft_vocab_ids
         cached = getattr(self, "_head_cut", None)
-        if cached is None or cached[0] is not target.model:
-            ids = mx.array(self.config.draft_vocab_ids, dtype=mx.int32)
-            cached = (target.model, ids, target.head_rows(ids))
+        if cached is None or cached[0] is not target.model or cached[1] is not vocab:
+            ids = mx.array(vocab, dtype=mx.int32)
+            cached = (target.model, vocab, ids, target.head_rows(ids))
             self._head_cut = cached
-        return cached[1], cached[2]
+        return cached[2], cached[3]
 
     def append_context(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Add target features of newly committed tokens to the drafter's context cache."""

@@ -50,9 +50,11 @@ class TargetParts:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
-    def head_rows(self, ids: mx.array) -> mx.array:
-        """Float rows ``ids`` of the output head (dequantized when the head is quantized)."""
+    def head_rows(self, ids: mx.array | None = None) -> mx.array:
+        """Float rows ``ids`` (default: all) of the output head, dequantized when quantized."""
         layer = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if ids is None:
+            ids = slice(None)
         if hasattr(layer, "scales"):
             return mx.dequantize(layer.weight[ids], layer.scales[ids], layer.get("biases")[ids]
                                  if "biases" in layer else None, layer.group_size, layer.bits,

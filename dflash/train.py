@@ -248,17 +248,18 @@ def read_samples(data: str | Path, max_len: int = 1024, skip_truncated: bool = F
     Lines cut short by an interrupted generation are skipped; records without ``prompt_ids`` /
     ``response_ids`` raise :class:`TrainingDataError` naming the file and line.
     """
-    sources = data.split(",") if isinstance(data, str) else data
-    if isinstance(sources, (list, tuple)) and len(sources) != 1:
+    if isinstance(data, str) and "," in data:
+        data = data.split(",")
+    if isinstance(data, (list, tuple)):
         merged: dict[str, tuple[Sample, str]] = {}
-        for source in sources:
+        for source in data:
             for sample in read_samples(source, max_len, skip_truncated, vocab_size):
                 if sample.id in merged:
                     raise TrainingDataError(f"sample id {sample.id!r} is in both "
                                             f"{merged[sample.id][1]} and {source}")
                 merged[sample.id] = (sample, str(source))
         return sorted((s for s, _ in merged.values()), key=lambda s: s.id)
-    data = Path(sources[0] if isinstance(sources, (list, tuple)) else data)
+    data = Path(data)
     if not data.exists():
         raise TrainingDataError(f"data set {data}: no such file or folder")
     files = sorted(data.glob("gen-*.jsonl")) if data.is_dir() else [data]
@@ -567,12 +568,7 @@ def head_matrix(parts):
     """The target's output projection as a dense ``(V, H)`` float32 matrix (frozen)."""
     import mlx.core as mx
 
-    mod = parts.embed_tokens if parts.lm_head is None else parts.lm_head
-    if hasattr(mod, "scales"):
-        w = mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits)
-    else:
-        w = mod.weight
-    return w.astype(mx.float32)
+    return parts.head_rows().astype(mx.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1144,7 +1140,6 @@ class Trainer:
         self.draft.eval()
         # measure what is exported: proposals from the draft vocabulary when it is recorded
         self.draft.config.draft_vocab_ids = self._draft_vocab()
-        self.draft._head_cut = None
         for bs in [int(b) for b in str(self.opts.eval_block_sizes).split(",") if b]:
             r = measure_tau(self.model, self.tokenizer, self.draft, self.eval_prompts, bs,
                             self.opts.eval_max_tokens)

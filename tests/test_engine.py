@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 from tiny_models import OracleDrafter
 
 from dflash.model_mlx import generate, stream_generate
-from dflash.speculative import _confident_prefix
+from dflash.speculative import _confident_rows
 from dflash.target import VerifyTrace, forward, make_cache, rollback, target_parts
 
 N_TOKENS = 200
@@ -68,15 +68,15 @@ def test_shorter_verify_keeps_output_and_follows_confidence(kind, loaded_pair, r
     assert out.tokens == ref and out.stats.mean_tau > 7.5
 
 
-def test_confident_prefix_rule():
+def test_confident_rows_rule():
     # Top probabilities of the rows: 0.9, 0.5, 0.9, 0.9 -> running products .9 .45 .405 .3645
     probs = mx.array([[0.9, 0.1], [0.5, 0.5], [0.1, 0.9], [0.9, 0.1]])
     logits = mx.log(probs) + 3.0  # any shift: softmax is what counts
-    assert _confident_prefix(logits, 0.95) == 1  # at least one
-    assert _confident_prefix(logits, 0.5) == 1
-    assert _confident_prefix(logits, 0.42) == 2
-    assert _confident_prefix(logits, 0.4) == 3
-    assert _confident_prefix(logits, 0.01) == 4
+    for threshold, rows in ((0.95, 1), (0.5, 1), (0.42, 2), (0.4, 3), (0.01, 4)):
+        assert _confident_rows(logits, None, threshold) == rows  # at least one
+        # A restricted vocabulary: -inf outside its columns, the same answer read from them.
+        padded = mx.concatenate([mx.full((4, 3), -mx.inf), logits], axis=1)
+        assert _confident_rows(padded, mx.array([3, 4]), threshold) == rows
 
 
 PLANTS = {
