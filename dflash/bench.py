@@ -256,7 +256,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
               pair=None, min_confidence: float | None = None) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
-    ``pair`` (a :class:`dflash.cli.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
+    ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
     (the built-in pair where ``None``).
     """
     say = log or (lambda _msg: None)
@@ -275,9 +275,9 @@ def run_bench(model: str | None = None, draft: str | None = None,
 
     SamplingConfig(**sampling, seed=seed).validate()
     if pair is None:
-        from .cli import load_pair
+        from .pair import load_pair
 
-        pair = load_pair(model, draft, quiet=log is None)
+        pair = load_pair(model, draft, log=log)
     sizes = [b or pair.draft.block_size for b in block_sizes]
     sizes = list(dict.fromkeys(sizes))
     from .backend import default_min_confidence

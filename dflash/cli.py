@@ -14,13 +14,11 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from . import __version__
-
-PROG = "dflash"
+from .console import PROG, log, one_line
+from .errors import DFlashError
+from .pair import Pair, load_pair
 
 # Subcommands whose options and behaviour live in other modules, imported only when chosen.
 EXTERNAL = {
@@ -39,123 +37,6 @@ class CLIError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
-
-
-def log(message: str, end: str = "\n") -> None:
-    """Progress and status on stderr, so that stdout carries only the output."""
-    print(f"{PROG}: {message}", file=sys.stderr, end=end, flush=True)
-
-
-def one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    if isinstance(e, KeyError):
-        text = f"missing key {text}"
-    return text
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading a target + drafter pair
-
-
-@dataclass
-class Pair:
-    """A loaded target, its tokenizer and a drafter that fits it."""
-
-    model: Any
-    tokenizer: Any
-    draft: Any
-    model_path: str
-    draft_path: str
-    config: dict = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return Path(self.model_path.rstrip("/")).name or self.model_path
-
-    @property
-    def max_context(self) -> int | None:
-        cfg = self.config.get("text_config", self.config)
-        value = cfg.get("max_position_embeddings") or self.config.get("max_position_embeddings")
-        if value is None:
-            args = getattr(self.model, "args", None)
-            value = getattr(args, "max_position_embeddings", None)
-        return int(value) if value else None
-
-
-def _looks_like_repo_id(text: str) -> bool:
-    return (text.count("/") == 1 and not text.startswith(("/", ".", "~"))
-            and all(part for part in text.split("/")))
-
-
-def check_model_path(path: str, option: str) -> str:
-    """A local folder with a ``config.json``, or a Hugging Face repo id; else ``CLIError``."""
-    p = Path(path).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise CLIError(f"{option} {path}: not a folder")
-        if not (p / "config.json").is_file():
-            raise CLIError(f"{option} {path}: no config.json in this folder, not a model folder")
-        return str(p)
-    if _looks_like_repo_id(path):
-        return path
-    raise CLIError(f"{option} {path}: no such folder")
-
-
-def default_paths(model: str | None, draft: str | None) -> tuple[str, str]:
-    """Fill in the built-in pair where ``--model``/``--draft`` were not given."""
-    from .default_pair import default_draft_path, default_target_path
-
-    if draft is None:
-        try:
-            draft = str(default_draft_path())
-        except FileNotFoundError as e:
-            raise CLIError(f"no --draft given and the built-in drafter is not available "
-                           f"({one_line(e)}); pass --model PATH --draft PATH") from None
-    if model is None:
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # keep stdout clean for --json
-                model = str(default_target_path())
-        except Exception as e:
-            raise CLIError(f"no --model given and the built-in target is not available "
-                           f"({one_line(e)}); pass --model PATH") from None
-    return model, draft
-
-
-def load_pair(model: str | None = None, draft: str | None = None, quiet: bool = False) -> Pair:
-    """Load target + drafter (the built-in pair for what is ``None``) and check they fit."""
-    model, draft = default_paths(model, draft)
-    model = check_model_path(str(model), "--model")
-    draft = check_model_path(str(draft), "--draft")
-    from .errors import DFlashError
-    from .model_mlx import load, load_draft
-    from .target import check_compatible, target_parts
-
-    say = (lambda *a, **k: None) if quiet else log
-    tic = time.perf_counter()
-    say(f"loading target {model} ...")
-    try:
-        target, tokenizer = load(model)
-    except Exception as e:
-        raise CLIError(f"--model {model}: cannot load it as an mlx-lm model ({one_line(e)})") \
-            from None
-    say(f"loading drafter {draft} ...")
-    try:
-        drafter = load_draft(draft)
-    except Exception as e:
-        raise CLIError(f"--draft {draft}: cannot load it as a DFlash drafter ({one_line(e)})") \
-            from None
-    try:
-        check_compatible(target_parts(target), drafter)
-    except DFlashError as e:
-        raise CLIError(f"--draft {draft} does not fit --model {model}: {one_line(e)}") from None
-    config = {}
-    cfg_file = Path(model) / "config.json"
-    if cfg_file.is_file():
-        with contextlib.suppress(ValueError, OSError):
-            config = json.loads(cfg_file.read_text())
-    say(f"ready in {time.perf_counter() - tic:.1f} s (block size {drafter.block_size}, "
-        f"target layers {drafter.target_layer_ids})")
-    return Pair(target, tokenizer, drafter, model, draft, config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise CLIError("the prompt is empty", code=2)
-    pair = load_pair(args.model, args.draft)
+    pair = load_pair(args.model, args.draft, log=log)
     ids = encode(pair, {"prompt": prompt}, args)
     check_context(pair, len(ids))
     from .model_mlx import stream_generate
@@ -366,7 +247,7 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    pair = load_pair(args.model, args.draft)
+    pair = load_pair(args.model, args.draft, log=log)
     from .model_mlx import PromptCache, stream_generate
 
     prompt_cache = PromptCache()  # later turns prefill only what the conversation added
@@ -610,8 +491,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = f"{PROG} {args.command}"
     debug = bool(os.environ.get("DFLASH_DEBUG"))
-    from .errors import DFlashError
-
     try:
         rc = func(args)
         return rc if isinstance(rc, int) else 0  # commands may return what they wrote

@@ -20,14 +20,9 @@ import os
 import time
 from pathlib import Path
 
-from .errors import DFlashError
-from .prompts import PromptFileError, encode_prompt, read_prompts
+from .errors import DataSetError, DFlashError, PromptFileError
+from .prompts import encode_prompt, read_prompts
 from .workers import run_per_core
-
-
-class DataSetError(DFlashError):
-    """A generated data set that is missing, empty or holds malformed records."""
-
 
 RECORD_FIELDS = ("id", "prompt_ids", "response_ids")
 

@@ -1,4 +1,8 @@
-"""Typed errors: each is a ``ValueError`` whose message names the field or file at fault."""
+"""Every exception dflash raises on purpose, in one place.
+
+Input errors are ``DFlashError`` (a ``ValueError``) subclasses whose message names the field or
+file at fault; the CLI prints them as one line (exit 1), the server maps them to HTTP 400.
+"""
 
 
 class DFlashError(ValueError):
@@ -19,3 +23,31 @@ class GenerationConfigError(DFlashError):
 
 class UnsupportedTargetError(DFlashError):
     """A target whose decoder layers cannot be tapped or whose caches cannot be rolled back."""
+
+
+class ModelLoadError(DFlashError):
+    """A ``--model``/``--draft`` that is not a model folder, or that cannot be loaded as one."""
+
+
+class PromptFileError(DFlashError):
+    """A prompt file that is missing, not JSONL, or has a line without a prompt field."""
+
+
+class DataSetError(DFlashError):
+    """A generated data set that is missing, empty or holds malformed records."""
+
+
+class TrainingDataError(DataSetError):
+    """A data set that cannot be trained on: missing, empty, or records without the needed fields."""
+
+
+class TrainConfigError(DFlashError):
+    """A training setting outside its valid range (block size, taps, output folder, ...)."""
+
+
+class MissingDependencyError(DFlashError):
+    """An optional extra (``dflash[serve]``, ``dflash[bench]``) that is not installed."""
+
+
+class QueueFull(Exception):
+    """The serving worker's queue is full; the HTTP layer answers 429."""

@@ -9,13 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import DFlashError
+from .errors import PromptFileError
 
 PROMPT_FIELDS = ("messages", "prompt", "question", "instruction")
-
-
-class PromptFileError(DFlashError):
-    """A prompt file that is missing, not JSONL, or has a line without a prompt field."""
 
 
 def _check_messages(messages, where: str) -> list[dict]:

@@ -26,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .console import log
+from .errors import MissingDependencyError
+
 # ---------------------------------------------------------------------------------------------
 # Options
 
@@ -950,13 +953,12 @@ def create_server(model: str | None = None, draft: str | None = None, *,
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        from .cli import CLIError
+        raise MissingDependencyError(
+            "the server needs FastAPI and uvicorn: pip install 'dflash[serve]'") from None
+    from .pair import load_pair
 
-        raise CLIError("the server needs FastAPI and uvicorn: pip install 'dflash[serve]'") \
-            from None
-    from .cli import load_pair
-
-    engine = Engine(lambda: load_pair(model, draft, quiet=quiet), max_queue=max_queue).start()
+    engine = Engine(lambda: load_pair(model, draft, log=None if quiet else log),
+                    max_queue=max_queue).start()
     name = served_model_name or engine.pair.name
     return Server(engine, name, max_context=max_context, default_max_tokens=default_max_tokens,
                   block_size=block_size, reasoning=reasoning)
@@ -964,7 +966,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
 
 def serve(args: argparse.Namespace) -> int:
     """``dflash serve``: load, then run uvicorn until Ctrl-C."""
-    from .cli import CLIError, log
+    from .cli import CLIError
 
     for name in ("port", "default_max_tokens", "max_queue"):
         if getattr(args, name) < (0 if name == "port" else 1):

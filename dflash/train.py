@@ -38,17 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .datagen import DataSetError
-from .errors import DFlashError
-
-
-class TrainConfigError(DFlashError):
-    """A training setting outside its valid range (block size, taps, output folder, ...)."""
-
-
-class TrainingDataError(DataSetError):
-    """A data set that cannot be trained on: missing, empty, or records without the needed fields."""
-
+from .errors import TrainConfigError, TrainingDataError
 
 FORMAT_NOTE = "dflash train"
 STATE_FILE = "state.json"

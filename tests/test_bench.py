@@ -8,7 +8,7 @@ import pytest
 
 import dflash  # noqa: F401  (OpenBLAS before mlx)
 from dflash import bench
-from dflash.cli import Pair
+from dflash.pair import Pair
 
 KIND = "llama"
 PROMPTS = [{"id": "sum", "prompt": "What is 12 + 30?"},
