@@ -47,6 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from .acceptance import measure_tau
 from .drafter import (
     DFlashConfig,
     DFlashDraftModel,
@@ -678,26 +679,6 @@ def _version() -> str:
 # Acceptance of the converted drafter against the original
 
 
-def measure_tau(target_model, tokenizer, draft, prompts=FIXED_PROMPTS, max_tokens: int = 64,
-                block_size: int | None = None, seed: int = 0) -> dict:
-    """Greedy mean τ (tokens per cycle) over fixed prompts, via :func:`dflash.speculative.generate`."""
-    from .speculative import generate
-
-    cfg = draft.config
-    seqs = _prompt_ids(tokenizer, prompts, cfg.vocab_size, seed)
-    tokens = cycles = 0
-    outputs, draft_time = [], 0.0
-    for ids in seqs:
-        r = generate(target_model, draft, tokenizer, ids, block_size=block_size,
-                     max_tokens=max_tokens, temperature=0.0)
-        outputs.append(r.tokens)
-        tokens += r.stats.mean_tau * r.stats.cycles
-        cycles += r.stats.cycles
-        draft_time += r.stats.draft_time
-    return {"tau": tokens / cycles if cycles else 0.0, "cycles": cycles, "outputs": outputs,
-            "draft_ms_per_cycle": 1000 * draft_time / cycles if cycles else 0.0}
-
-
 def _load_target(target):
     """``target``: a path / hub id, a loaded mlx-lm model, or ``(model, tokenizer)``."""
     from .target import target_parts
@@ -932,8 +913,9 @@ def convert(
 
             original = build_draft(cfg, src_weights, str(src))
             backend.prepare_for_backend(original)
-            orig = measure_tau(t_model, t_tok, original, tau_prompts, tau_max_tokens)
-            conv = measure_tau(t_model, t_tok, converted, tau_prompts, tau_max_tokens)
+            tau_ids = _prompt_ids(t_tok, tau_prompts, cfg.vocab_size, seed=0)
+            orig = measure_tau(t_model, t_tok, original, tau_ids, max_tokens=tau_max_tokens)
+            conv = measure_tau(t_model, t_tok, converted, tau_ids, max_tokens=tau_max_tokens)
             report["tau"] = {
                 "original": orig["tau"], "converted": conv["tau"], "prompts": len(tau_prompts),
                 "max_tokens": tau_max_tokens, "target": t_name,

@@ -62,6 +62,12 @@ def read_prompts(path: str | Path) -> list[dict]:
     return items
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a raw text prompt: the tokenizer's BOS is added unless the text starts with it."""
+    add_special = tokenizer.bos_token is None or not text.startswith(tokenizer.bos_token)
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
+
+
 def encode_prompt(tokenizer, item: dict, chat_template: bool = True, system: str | None = None,
                   **template_kwargs) -> list[int]:
     """Token ids for a prompt item, through the tokenizer's own chat template when it has one."""

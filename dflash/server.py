@@ -28,6 +28,7 @@ from typing import Any
 
 from .console import log
 from .errors import MissingDependencyError
+from .prompts import encode_text
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -603,9 +604,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            tok = self.tokenizer
-            add = tok.bos_token is None or not prompt.startswith(tok.bos_token)
-            return list(tok.encode(prompt, add_special_tokens=add))
+            return encode_text(self.tokenizer, prompt)
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if any(not 0 <= t < self.vocab_size for t in prompt):

@@ -12,6 +12,7 @@ import mlx.core as mx
 from .backend import default_min_confidence
 from .errors import GenerationConfigError
 from .prompt_cache import PromptCache
+from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig
 from .target import VerifyTrace, check_compatible, forward, make_cache, rollback, target_parts
 
@@ -163,8 +164,7 @@ def stream_generate(
         raise GenerationConfigError(f"min_confidence={min_confidence!r}: must be in [0, 1]")
 
     if isinstance(prompt, str):
-        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
-        prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+        prompt_ids = encode_text(tokenizer, prompt)
     else:
         prompt_ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     if not prompt_ids:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .acceptance import measure_tau
 from .errors import TrainConfigError, TrainingDataError
 
 FORMAT_NOTE = "dflash train"
@@ -640,44 +641,6 @@ def block_stats(correct: np.ndarray, labels: np.ndarray) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Acceptance with the real engine
-
-
-def measure_tau(model, tokenizer, draft, prompts: list[list[int]], block_size: int,
-                max_tokens: int = 128) -> dict:
-    """Greedy speculative generation on ``prompts`` (token ids); τ = emitted tokens / cycles.
-
-    Every proposal of the block is verified (``min_confidence=0``): τ measures the drafter, not
-    the CPU's verify-length policy."""
-    from .speculative import generate
-
-    tokens = cycles = 0
-    accepted = None
-    draft_time = verify_time = 0.0
-    n_gen = 0
-    t0 = time.perf_counter()
-    for ids in prompts:
-        res = generate(model, draft, tokenizer, ids, block_size=block_size,
-                       max_tokens=max_tokens, temperature=0.0, min_confidence=0.0)
-        st = res.stats
-        tokens += round(st.mean_tau * st.cycles)
-        cycles += st.cycles
-        n_gen += st.generation_tokens
-        draft_time += st.draft_time
-        verify_time += st.verify_time
-        acc = np.array(st.acceptance_by_position) * max(st.cycles, 1)
-        accepted = acc if accepted is None else accepted + acc
-    dt = time.perf_counter() - t0
-    return {
-        "block_size": block_size,
-        "tau": tokens / cycles if cycles else 0.0,
-        "cycles": cycles,
-        "tokens": n_gen,
-        "tok_s": n_gen / dt if dt else 0.0,
-        "acceptance_by_position": [round(float(a), 3) for a in
-                                   (accepted / max(cycles, 1) if accepted is not None else [])],
-        "draft_time": draft_time,
-        "verify_time": verify_time,
-    }
 
 
 def load_eval_prompts(path: str | Path, tokenizer, n: int) -> list[list[int]]:

@@ -39,7 +39,8 @@ import mlx.core as mx
 # isort: on
 
 from dflash import backend
-from dflash.convert import FIXED_PROMPTS, build_calibration, convert, measure_tau
+from dflash.acceptance import measure_tau
+from dflash.convert import FIXED_PROMPTS, _prompt_ids, build_calibration, convert
 from dflash.drafter import DFlashConfig, build_draft, load_draft, read_weights
 
 DEFAULT_VARIANTS = "src,fp32,8,6,4,mixed_8_4,mixed_6_4,sensitivity"
@@ -157,7 +158,9 @@ def main(argv=None) -> int:
         draft = load_native(dst) if args.native else load_draft(dst)
         kl, agree = calib.score(draft)
         t0 = time.perf_counter()
-        tau = measure_tau(model, tokenizer, draft, prompts, args.max_tokens, args.block_size)
+        tau = measure_tau(model, tokenizer, draft,
+                          _prompt_ids(tokenizer, prompts, draft.config.vocab_size, seed=0),
+                          block_size=args.block_size, max_tokens=args.max_tokens)
         gen_s = time.perf_counter() - t0
         block = args.block_size or draft.block_size
         row = {

@@ -27,10 +27,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     args = p.parse_args()
 
+    from dflash.acceptance import measure_tau
     from dflash.drafter import load_draft
     from dflash.model_mlx import load
     from dflash.prompts import encode_prompt, read_prompts
-    from dflash.train import measure_tau
 
     if args.target is None:
         from dflash.default_pair import default_target_path

@@ -19,6 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny_models import write_target
 
+from dflash.acceptance import measure_tau
 from dflash.drafter import load_draft
 from dflash.errors import DFlashError, UnsupportedTargetError
 from dflash.train import (
@@ -35,7 +36,6 @@ from dflash.train import (
     draft_hidden,
     init_from_target,
     loss_weights,
-    measure_tau,
     pick_mask_token,
     read_samples,
     run_train,

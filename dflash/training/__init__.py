@@ -1,0 +1,1 @@
+"""Training DFlash drafters: data generation, the recipe, features, the trainer."""
