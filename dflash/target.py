@@ -186,8 +186,13 @@ def _gated_delta_forward(mod: nn.Module, x: mx.array, cache: ArraysCache,
 
 
 def forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[int],
-            trace: VerifyTrace | None = None) -> tuple[mx.array, mx.array]:
-    """Logits ``(B, S, V)`` and the concatenated outputs of layers ``tap_ids`` ``(B, S, n*H)``."""
+            trace: VerifyTrace | None = None, logits_rows: slice | None = None
+            ) -> tuple[mx.array, mx.array]:
+    """Logits ``(B, S, V)`` and the concatenated outputs of layers ``tap_ids`` ``(B, S, n*H)``.
+
+    ``logits_rows`` limits the head to those rows (a long prefill needs only its last row's
+    logits; the head is the largest matrix of a small model).
+    """
     h = parts.embed(tokens)
     attn_cache = next((c for layer, c in zip(parts.layers, cache)
                        if not hasattr(layer, "linear_attn")
@@ -207,6 +212,8 @@ def forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[int
             h = layer(h, swa_mask if getattr(layer, "use_sliding", False) else fa_mask, cache=c)
         if i in wanted:
             wanted[i] = h
+    if logits_rows is not None:
+        h = h[:, logits_rows]
     logits = parts.head(parts.norm(h))
     taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
     return logits, taps
