@@ -106,7 +106,7 @@ def _worker(target: str, items: list[dict], out: Path, shard: str, max_tokens: i
     parts = target_parts(model)
     prompts = {it["id"]: encode_prompt(tokenizer, it, chat_template=chat_template, system=system)
                for it in items}
-    domains = {it["id"]: it.get("domain") for it in items}
+    items_by_id = {it["id"]: it for it in items}
     engine = RolloutEngine(parts, taps=taps or [], topk=topk, max_tokens=max_tokens,
                            batch_size=batch_size, stop_ids=tokenizer.eos_token_ids,
                            temperature=temperature, seed=seed, capture=bool(taps))
@@ -121,8 +121,10 @@ def _worker(target: str, items: list[dict], out: Path, shard: str, max_tokens: i
                 save_features(store._file(Sample(r.id, ids, len(r.prompt_ids))), r)
             record = {"id": r.id, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
                       "finish_reason": r.finish_reason}
-            if domains.get(r.id):
-                record["domain"] = domains[r.id]
+            if items_by_id[r.id].get("domain"):
+                record["domain"] = items_by_id[r.id]["domain"]
+            if "messages" in items_by_id[r.id]:  # conversations can be continued (magpie)
+                record["messages"] = items_by_id[r.id]["messages"]
             f.write(json.dumps(record) + "\n")
             f.flush()
             bar.update(1)

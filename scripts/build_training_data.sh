@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Training data for the built-in pair in three domains, every stage resumable: rerun the script
+# after an interruption and each stage continues where it stopped (datagen skips ids already
+# written; magpie continues its numbering). Long-job data lives under $DFLASH_HOME (default
+# ~/.cache/dflash), outside the work tree; the token records (gen-*.jsonl, a few MB) are what
+# to keep, the features can be recomputed from them.
+#
+# Usage: bash scripts/build_training_data.sh [ROUNDS]   (each round adds ~1,000 math, ~700 chat,
+#        ~500 code records; default 3 rounds)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+HOME_DIR=${DFLASH_HOME:-$HOME/.cache/dflash}
+D=$HOME_DIR/data/smollm2
+ROUNDS=${1:-3}
+GSM8K=${GSM8K:-../shared/datasets/gsm8k-train.jsonl}
+BATCH=${BATCH:-32}
+mkdir -p "$D"
+
+# Held out, never read by training: the last 200 GSM8K training questions, HumanEval, and the
+# chat turns whose id hashes into the held-out 5 % (magpie writes them to chat-heldout.jsonl).
+[ -f "$D/gsm8k-train-part.jsonl" ] || head -n 7273 "$GSM8K" > "$D/gsm8k-train-part.jsonl"
+[ -f "$D/gsm8k-heldout.jsonl" ] || tail -n 200 "$GSM8K" > "$D/gsm8k-heldout.jsonl"
+[ -f "$D/code-prompts.jsonl" ] || $PY scripts/make_code_prompts.py "$D/code-prompts.jsonl" --seed 0
+
+gen() {  # gen PROMPTS OUT DOMAIN LIMIT
+  $PY -m dflash datagen --prompts "$1" --out "$2" --domain "$3" --limit "$4" \
+      --max-tokens 384 --batch-size "$BATCH" --no-progress
+}
+
+for round in $(seq 1 "$ROUNDS"); do
+  gen "$D/gsm8k-train-part.jsonl" "$D/gen-math" math $((round * 1000))
+  $PY -m dflash magpie --out "$D/chat-prompts.jsonl" --n 700 --batch-size "$BATCH" --seed "$round"
+  gen "$D/chat-prompts.jsonl" "$D/gen-chat" chat 1000000
+  gen "$D/code-prompts.jsonl" "$D/gen-code" code $((round * 500))
+  $PY -m dflash magpie --out "$D/chat2-prompts.jsonl" --n 200 --followups-of "$D/gen-chat" \
+      --batch-size "$BATCH" --seed "$round"
+  gen "$D/chat2-prompts.jsonl" "$D/gen-chat" chat 1000000
+done
