@@ -120,9 +120,12 @@ def _append(path: Path, rows: list[dict]) -> None:
 def write_user_turns(target: str, out: str | Path, n: int, *, seed: int = 0,
                      temperature: float = 1.0, max_tokens: int = 128, batch_size: int = 32,
                      heldout_percent: float = 5.0, followups_of: str | Path | None = None,
-                     prefix: str = "chat") -> tuple[Path, Path]:
+                     prefix: str = "chat", max_attempts: int | None = None) -> tuple[Path, Path]:
     """Append up to ``n`` new filtered user turns: training prompts to ``out``, held-out ones to
-    ``out`` with ``-heldout`` before the suffix. Returns both paths."""
+    ``out`` with ``-heldout`` before the suffix. Returns both paths.
+
+    Gives up after ``max_attempts`` sampled turns (default ``20 * n + 64``): a target that does not
+    write usable user turns raises :class:`DataSetError` instead of looping forever."""
     from ..model_mlx import load
     from ..target import target_parts
     from .capture import RolloutEngine
@@ -155,7 +158,11 @@ def write_user_turns(target: str, out: str | Path, n: int, *, seed: int = 0,
     attempt = 1 + max((int(row["id"].rsplit("-", 1)[1]) for row in existing), default=-1)
     done = attempt
     kept = 0
+    max_attempts = 20 * n + 64 if max_attempts is None else max_attempts
     while kept < n:
+        if attempt - done >= max_attempts:
+            raise DataSetError(f"--target {target}: only {kept} of {n} user turns passed the "
+                               f"filters in {attempt - done} tries; is it a chat model?")
         want = min(batch_size * 2, 2 * (n - kept) + 4)
         batch = []
         for k in range(attempt, attempt + want):
