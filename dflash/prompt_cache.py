@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from .target import TargetParts, make_cache
@@ -73,11 +72,9 @@ class PromptCache:
             for n in sorted(self.snapshots)[:-MAX_SNAPSHOTS]:
                 del self.snapshots[n]
 
-    def store(self, parts: TargetParts, draft, target: list, dcache: list, tokens: list[int],
-              pending_taps: mx.array | None) -> None:
-        """Keep the caches after a generation; ``tokens`` are exactly those fed to the target."""
-        if pending_taps is not None:
-            draft.append_context(pending_taps, dcache)
-            mx.eval([c.state for c in dcache])
+    def store(self, parts: TargetParts, draft, target: list, dcache: list,
+              tokens: list[int]) -> None:
+        """Keep the caches after a generation; ``tokens`` are exactly those fed to the target and
+        ``dcache`` has seen the features of all of them."""
         self.owner = (id(parts.model), id(draft))
         self.target, self.draft, self.tokens = target, dcache, list(tokens)

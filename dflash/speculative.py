@@ -174,82 +174,155 @@ def stream_generate(
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     stop_ids |= {int(t) for t in stop_token_ids or ()}
 
-    return _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens,
-                     BlockSampler(cfg), stops, stop_ids, prefill_step_size,
-                     prompt_progress_callback, prompt_cache, float(min_confidence))
+    request = DecodeRequest(
+        prompt_ids=prompt_ids, block_size=block_size, max_tokens=max_tokens,
+        sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
+        prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
+        min_confidence=float(min_confidence))
+    return _generate(parts, draft, tokenizer, request, prompt_cache)
 
 
-def _generate(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler, stops,
-              stop_ids, prefill_step_size, progress, prompt_cache, min_confidence
-              ) -> Generator[DFlashResponse, None, None]:
+@dataclass
+class DecodeRequest:
+    """What one generation asks for, validated by :func:`stream_generate`."""
+
+    prompt_ids: list[int]
+    block_size: int
+    max_tokens: int
+    sampler: BlockSampler
+    stops: list[str]
+    stop_ids: set[int]
+    prefill_step_size: int = 2048
+    progress: Callable[[int, int], None] | None = None
+    min_confidence: float = 0.0
+
+
+@dataclass
+class DecodeState:
+    """What one sequence carries from cycle to cycle."""
+
+    cache: list  # the target's caches: exactly the tokens in ``fed``
+    dcache: list  # the drafter's context caches
+    history: list[int]  # prompt + emitted tokens (what penalties and stops see)
+    fed: list[int]  # tokens whose keys/values are in the target's cache
+    pending_taps: mx.array | None = None  # target features the drafter has not seen yet
+    accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
+
+    def sync_drafter(self, draft) -> None:
+        """Give the drafter the features of the last committed tokens."""
+        if self.pending_taps is not None:
+            draft.append_context(self.pending_taps, self.dcache)
+            self.pending_taps = None
+
+
+def _generate(parts, draft, tokenizer, request: DecodeRequest,
+              prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
     if prompt_cache is None:
-        yield from _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler,
-                           stops, stop_ids, prefill_step_size, progress,
-                           make_cache(parts), draft.make_cache(), 0, None, min_confidence)
-        return
-    cache, dcache, reused = prompt_cache.take(parts, draft, prompt_ids)
+        cache, dcache, reused = make_cache(parts), draft.make_cache(), 0
+    else:
+        cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
+    state = DecodeState(cache, dcache, history=list(request.prompt_ids),
+                        fed=list(request.prompt_ids),
+                        accepted_at=[0] * (request.block_size - 1),
+                        proposed_at=[0] * (request.block_size - 1))
     try:
-        yield from _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler,
-                           stops, stop_ids, prefill_step_size, progress, cache, dcache, reused,
-                           prompt_cache, min_confidence)
+        yield from _decode(parts, draft, tokenizer, request, state, reused, prompt_cache)
     except BaseException:
-        prompt_cache.clear()  # caches may be mid-update
+        if prompt_cache is not None:
+            prompt_cache.clear()  # caches may be mid-update
         raise
 
 
-def _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler, stops,
-            stop_ids, prefill_step_size, progress, cache, dcache, reused, prompt_cache,
-            min_confidence) -> Generator[DFlashResponse, None, None]:
-    taps_ids = draft.target_layer_ids
-    detok = _Detokenizer(tokenizer, stops)
-    stats = DFlashResponse(prompt_tokens=len(prompt_ids))
-    accepted_at = [0] * (block_size - 1)
-    proposed_at = [0] * (block_size - 1)
+def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: int) -> mx.array:
+    """Feed the prompt from ``start`` in chunks (the drafter sees every row); the last logits."""
+    n, step = len(request.prompt_ids), request.prefill_step_size
+    for begin in range(start, n, step):
+        chunk = mx.array(request.prompt_ids[begin:begin + step])[None]
+        logits, taps = forward(parts, chunk, state.cache, draft.target_layer_ids)
+        draft.append_context(taps, state.dcache)
+        mx.eval(logits[:, -1], [c.state for c in state.cache], [c.state for c in state.dcache])
+        if request.progress:
+            request.progress(min(begin + step, n), n)
+    return logits[0, -1:]
+
+
+def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
+                      draft_columns: mx.array | None) -> tuple[list[int], int, int, float]:
+    """Draft -> verify -> accept -> roll back. Returns the emitted tokens, the proposals
+    accepted and verified, and when drafting ended (for the draft/verify time split)."""
+    sampler = request.sampler
+    # Draft: one pass over [anchor, MASK ...] with the new target features as context.
+    anchor = state.history[-1]
+    state.sync_drafter(draft)
+    proposals, q = [], None
+    if bs > 1:
+        draft_logits = draft.block_logits(parts, anchor, bs, state.dcache)
+        if request.min_confidence > 0:  # propose only the rows the target will see
+            draft_logits = draft_logits[:_confident_rows(draft_logits, draft_columns,
+                                                         request.min_confidence)]
+        proposals, q = sampler.propose(draft_logits, state.history)
+        proposals = proposals.tolist()
+    drafted = time.perf_counter()
+
+    # Verify: one target pass over [anchor, proposals]; accept a prefix; roll back the rest.
+    trace = VerifyTrace()
+    verified = len(proposals) + 1
+    logits, taps = forward(parts, mx.array([anchor] + proposals)[None], state.cache,
+                           draft.target_layer_ids, trace)
+    a, bonus = sampler.accept(logits[0], proposals, q, state.history)
+    rollback(state.cache, trace, keep=a + 1, verified=verified)
+    state.fed += [anchor] + proposals[:a]
+    state.pending_taps = taps[:, : a + 1]
+    # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
+    mx.async_eval(state.pending_taps, [c.state for c in state.cache])
+    return proposals[:a] + [bonus], a, verified - 1, drafted
+
+
+def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
+            prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
+    detok = _Detokenizer(tokenizer, request.stops)
+    stats = DFlashResponse(prompt_tokens=len(request.prompt_ids))
+    max_tokens = request.max_tokens
     # A restricted draft vocabulary leaves -inf elsewhere: the confidence needs only its columns
     # (a full-vocabulary logsumexp was ~10 % of a cycle on the CPU).
     draft_columns = (draft.head_cut(parts)[0] if draft.config.draft_vocab_ids is not None
                      else None)
     mx.reset_peak_memory()
 
-    # Prefill in chunks; the drafter sees every prompt row.
     tic = time.perf_counter()
-    n = len(prompt_ids)
-    for start in range(reused, n, prefill_step_size):
-        chunk = mx.array(prompt_ids[start:start + prefill_step_size])[None]
-        logits, taps = forward(parts, chunk, cache, taps_ids)
-        draft.append_context(taps, dcache)
-        mx.eval(logits[:, -1], [c.state for c in cache], [c.state for c in dcache])
-        if progress:
-            progress(min(start + prefill_step_size, n), n)
-    history = list(prompt_ids)
-    fed = list(prompt_ids)  # exactly the tokens in the target cache
-    hidden = None
+    last_logits = _prefill(parts, draft, request, state, reused)
     if prompt_cache is not None:
-        prompt_cache.snapshot(n)
+        prompt_cache.snapshot(len(request.prompt_ids))
         stats.reused_prompt_tokens = reused
+
+    def finish_cache() -> None:
+        if prompt_cache is not None:
+            state.sync_drafter(draft)
+            mx.eval([c.state for c in state.dcache])
+            prompt_cache.store(parts, draft, state.cache, state.dcache, state.fed)
+
     if max_tokens == 0:
         stats.finish_reason = "length"
-        if prompt_cache is not None:
-            prompt_cache.store(parts, draft, cache, dcache, fed, hidden)
+        finish_cache()
         yield stats
         return
-    anchor = int(sampler.sample(sampler.process(logits[0, -1:], history, [])).item())
-    stats.prompt_tps = n / (time.perf_counter() - tic)
+    sampler = request.sampler
+    emitted = [int(sampler.sample(sampler.process(last_logits, state.history, [])).item())]
+    stats.prompt_tps = len(request.prompt_ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
-
-    emitted = [anchor]
     cycle_tokens = 0
     while True:
         # Emit what the last cycle produced (the first time: the prefill's token).
         finish = None
         for j, t in enumerate(emitted):
-            if t in stop_ids:
+            if t in request.stop_ids:
                 emitted, finish = emitted[:j], "stop"
                 break
         remaining = max_tokens - stats.generation_tokens
         if len(emitted) >= remaining and finish is None:
             emitted, finish = emitted[:remaining], "length"
-        history.extend(emitted)
+        state.history.extend(emitted)
         stats.generation_tokens += len(emitted)
         text, hit_stop = detok.add(emitted, final=finish is not None)
         if hit_stop:
@@ -258,54 +331,29 @@ def _decode(parts, draft, tokenizer, prompt_ids, block_size, max_tokens, sampler
         stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
         stats.peak_memory = mx.get_peak_memory() / 1e9
         stats.acceptance_by_position = [a / p if p else 0.0
-                                        for a, p in zip(accepted_at, proposed_at)]
-        if finish is not None and prompt_cache is not None:
-            prompt_cache.store(parts, draft, cache, dcache, fed, hidden)
+                                        for a, p in zip(state.accepted_at, state.proposed_at)]
+        if finish is not None:
+            finish_cache()
         yield _snapshot(stats, text, emitted, finish)
         if finish is not None:
             return
 
-        # Draft: one pass over [anchor, MASK ...] with the new target features as context.
-        anchor = history[-1]
-        bs = min(block_size, max_tokens - stats.generation_tokens)
         t0 = time.perf_counter()
-        if hidden is not None:
-            draft.append_context(hidden, dcache)
-        proposals, q = [], None
-        if bs > 1:
-            draft_logits = draft.block_logits(parts, anchor, bs, dcache)
-            if min_confidence > 0:  # propose only the rows the target will see
-                draft_logits = draft_logits[:_confident_rows(draft_logits, draft_columns,
-                                                             min_confidence)]
-            proposals, q = sampler.propose(draft_logits, history)
-            proposals = proposals.tolist()
-        verified = len(proposals) + 1
-        t1 = time.perf_counter()
-
-        # Verify: one target pass over [anchor, proposals]; accept a prefix; roll back the rest.
-        trace = VerifyTrace()
-        verify_in = mx.array([anchor] + proposals)[None]
-        logits, taps = forward(parts, verify_in, cache, taps_ids, trace)
-        a, bonus = sampler.accept(logits[0], proposals, q, history)
-        rollback(cache, trace, keep=a + 1, verified=verified)
-        fed += [anchor] + proposals[:a]
-        hidden = taps[:, : a + 1]
-        # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
-        mx.async_eval(hidden, [c.state for c in cache])
+        bs = min(request.block_size, max_tokens - stats.generation_tokens)
+        emitted, a, verified, drafted = _speculative_step(parts, draft, request, state, bs,
+                                                          draft_columns)
         t2 = time.perf_counter()
-
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
+        stats.draft_time += drafted - t0
+        stats.verify_time += t2 - drafted
         stats.cycles += 1
-        stats.verified_tokens += verified - 1
+        stats.verified_tokens += verified
         cycle_tokens += a + 1
         stats.mean_tau = cycle_tokens / stats.cycles
         stats.accepted = a
         stats.cycle_tau = a + 1
-        for j in range(verified - 1):
-            proposed_at[j] += 1
-            accepted_at[j] += j < a
-        emitted = proposals[:a] + [bonus]
+        for j in range(verified):
+            state.proposed_at[j] += 1
+            state.accepted_at[j] += j < a
 
 
 def _confident_rows(draft_logits: mx.array, columns: mx.array | None, threshold: float) -> int:
