@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 
-from .backend import default_min_confidence
+from .cost_model import cost_model
 from .errors import GenerationConfigError
 from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig
 from .target import VerifyTrace, check_compatible, forward, make_cache, rollback, target_parts
+from .verify_policy import POLICIES, VerifyPolicy, row_confidence
 
 
 @dataclass
@@ -38,6 +39,8 @@ class DFlashResponse:
     peak_memory: float = 0.0
     finish_reason: str | None = None
     reused_prompt_tokens: int = 0
+    plain_steps: int = 0  # target steps without drafting (the policy's choice)
+    rows_per_pass: float = 0.0  # target rows per pass, anchor included
     acceptance_by_position: list[float] = field(default_factory=list)
 
 
@@ -122,6 +125,7 @@ def stream_generate(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
     min_confidence: float | None = None,
+    policy: str | None = None,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate with DFlash speculative decoding, yielding one response per cycle.
 
@@ -130,11 +134,12 @@ def stream_generate(
     :class:`~dflash.prompt_cache.PromptCache` carries the caches over to the next call, which then
     prefills only what its prompt does not share with the tokens already cached.
 
-    ``min_confidence`` shortens the verify pass: drafted tokens are verified up to (not including)
-    the first block row where the product of the drafter's top probabilities so far falls below
-    it (at least one always is). ``None`` takes the backend's default
-    (:func:`dflash.backend.default_min_confidence`: 0 on GPUs, where a verify row costs almost
-    nothing; a small threshold on the CPU, where every row costs). Outputs do not depend on it.
+    ``policy`` chooses how many drafted tokens each cycle verifies (:mod:`dflash.verify_policy`):
+    ``"auto"`` (default) maximises expected committed tokens per second under this machine's
+    measured cost model (:mod:`dflash.cost_model`) and takes plain target steps while speculation
+    loses; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to the first block row
+    where the product of the drafter's top probabilities falls below ``min_confidence`` (giving
+    ``min_confidence`` alone selects it). Outputs never depend on the policy.
     """
     parts = target_parts(model)
     check_compatible(parts, draft)
@@ -158,8 +163,12 @@ def stream_generate(
         proposal=proposal, seed=seed)
     cfg.validate(parts.vocab_size)
     stops = _stop_sequences(stop)
+    if policy is None:
+        policy = "auto" if min_confidence is None else "confidence"
+    if policy not in POLICIES:
+        raise GenerationConfigError(f"policy={policy!r}: must be one of {', '.join(POLICIES)}")
     if min_confidence is None:
-        min_confidence = default_min_confidence()
+        min_confidence = 0.0
     if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
         raise GenerationConfigError(f"min_confidence={min_confidence!r}: must be in [0, 1]")
 
@@ -178,7 +187,7 @@ def stream_generate(
         prompt_ids=prompt_ids, block_size=block_size, max_tokens=max_tokens,
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
-        min_confidence=float(min_confidence))
+        min_confidence=float(min_confidence), policy=policy)
     return _generate(parts, draft, tokenizer, request, prompt_cache)
 
 
@@ -195,6 +204,7 @@ class DecodeRequest:
     prefill_step_size: int = 2048
     progress: Callable[[int, int], None] | None = None
     min_confidence: float = 0.0
+    policy: str = "auto"
 
 
 @dataclass
@@ -205,6 +215,7 @@ class DecodeState:
     dcache: list  # the drafter's context caches
     history: list[int]  # prompt + emitted tokens (what penalties and stops see)
     fed: list[int]  # tokens whose keys/values are in the target's cache
+    policy: VerifyPolicy | None = None
     pending_taps: mx.array | None = None  # target features the drafter has not seen yet
     accepted_at: list[int] = field(default_factory=list)
     proposed_at: list[int] = field(default_factory=list)
@@ -215,6 +226,11 @@ class DecodeState:
             draft.append_context(self.pending_taps, self.dcache)
             self.pending_taps = None
 
+    def commit_taps(self, taps: mx.array) -> None:
+        """Features of newly committed tokens, for the drafter's next block."""
+        self.pending_taps = taps if self.pending_taps is None else \
+            mx.concatenate([self.pending_taps, taps], axis=1)
+
 
 def _generate(parts, draft, tokenizer, request: DecodeRequest,
               prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
@@ -222,8 +238,11 @@ def _generate(parts, draft, tokenizer, request: DecodeRequest,
         cache, dcache, reused = make_cache(parts), draft.make_cache(), 0
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
+    cost = cost_model(parts, draft) if request.policy == "auto" else None
     state = DecodeState(cache, dcache, history=list(request.prompt_ids),
                         fed=list(request.prompt_ids),
+                        policy=VerifyPolicy(request.policy, request.block_size, cost,
+                                            request.min_confidence),
                         accepted_at=[0] * (request.block_size - 1),
                         proposed_at=[0] * (request.block_size - 1))
     try:
@@ -247,20 +266,30 @@ def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: in
     return logits[0, -1:]
 
 
+class StepResult(NamedTuple):
+    tokens: list[int]  # emitted: the accepted proposals and the target's own next token
+    accepted: int
+    verified: int  # proposals sent to the target
+    drafted_at: float  # perf_counter when drafting ended (the draft/verify time split)
+    plain: bool  # the policy skipped drafting: a plain one-token target step
+
+
 def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
-                      draft_columns: mx.array | None) -> tuple[list[int], int, int, float]:
-    """Draft -> verify -> accept -> roll back. Returns the emitted tokens, the proposals
-    accepted and verified, and when drafting ended (for the draft/verify time split)."""
-    sampler = request.sampler
-    # Draft: one pass over [anchor, MASK ...] with the new target features as context.
+                      draft_columns: mx.array | None) -> StepResult:
+    """Draft -> verify -> accept -> roll back (or one plain target step when the policy says
+    speculation loses)."""
+    sampler, policy = request.sampler, state.policy
     anchor = state.history[-1]
-    state.sync_drafter(draft)
-    proposals, q = [], None
-    if bs > 1:
+    proposals, q, log_conf = [], None, None
+    plain = bs > 1 and not policy.speculate(len(state.fed))
+    # Draft: one pass over [anchor, MASK ...] with the new target features as context.
+    if bs > 1 and not plain:
+        state.sync_drafter(draft)
         draft_logits = draft.block_logits(parts, anchor, bs, state.dcache)
-        if request.min_confidence > 0:  # propose only the rows the target will see
-            draft_logits = draft_logits[:_confident_rows(draft_logits, draft_columns,
-                                                         request.min_confidence)]
+        if policy.name != "fixed":  # propose only the rows the target will see
+            log_conf = row_confidence(draft_logits, draft_columns).tolist()
+            log_conf = log_conf[:policy.rows(log_conf, bs)]
+            draft_logits = draft_logits[:len(log_conf)]
         proposals, q = sampler.propose(draft_logits, state.history)
         proposals = proposals.tolist()
     drafted = time.perf_counter()
@@ -273,10 +302,11 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     a, bonus = sampler.accept(logits[0], proposals, q, state.history)
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
-    state.pending_taps = taps[:, : a + 1]
+    state.commit_taps(taps[:, : a + 1])
+    policy.record(None if plain else log_conf, verified - 1, a, bs)
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending_taps, [c.state for c in state.cache])
-    return proposals[:a] + [bonus], a, verified - 1, drafted
+    return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, plain)
 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
@@ -340,37 +370,24 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
 
         t0 = time.perf_counter()
         bs = min(request.block_size, max_tokens - stats.generation_tokens)
-        emitted, a, verified, drafted = _speculative_step(parts, draft, request, state, bs,
-                                                          draft_columns)
+        step = _speculative_step(parts, draft, request, state, bs, draft_columns)
         t2 = time.perf_counter()
-        stats.draft_time += drafted - t0
-        stats.verify_time += t2 - drafted
-        stats.cycles += 1
-        stats.verified_tokens += verified
-        cycle_tokens += a + 1
-        stats.mean_tau = cycle_tokens / stats.cycles
+        emitted, a = step.tokens, step.accepted
+        stats.draft_time += step.drafted_at - t0
+        stats.verify_time += t2 - step.drafted_at
         stats.accepted = a
         stats.cycle_tau = a + 1
-        for j in range(verified):
+        stats.plain_steps = state.policy.stats.plain_steps
+        stats.rows_per_pass = state.policy.stats.rows_per_pass
+        if step.plain:
+            continue
+        stats.cycles += 1
+        stats.verified_tokens += step.verified
+        cycle_tokens += a + 1
+        stats.mean_tau = cycle_tokens / stats.cycles
+        for j in range(step.verified):
             state.proposed_at[j] += 1
             state.accepted_at[j] += j < a
-
-
-def _confident_rows(draft_logits: mx.array, columns: mx.array | None, threshold: float) -> int:
-    """How many leading block rows to propose and verify: up to the first row where the running
-    product of the drafter's top probabilities drops below ``threshold`` (at least one).
-
-    ``columns``: the draft vocabulary, when the other logits are -inf. The rule reads the
-    drafter's distributions only, never which tokens are drawn from them: a cut that looked at a
-    sampled proposal's own probability would verify likely draws more often than unlikely ones
-    and bias rejection sampling (measured: chi-square p ~ 1e-5).
-    """
-    scored = draft_logits if columns is None else draft_logits[:, columns]
-    top = mx.max(scored, axis=-1) - mx.logsumexp(scored, axis=-1)
-    running = mx.cumsum(top.astype(mx.float32)).tolist()
-    limit = math.log(threshold)
-    n = next((i for i, v in enumerate(running) if v < limit), len(running))
-    return max(1, n)
 
 
 def _snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFlashResponse:

@@ -7,8 +7,8 @@ from mlx_lm.generate import generate_step
 from tiny_models import OracleDrafter
 
 from dflash.model_mlx import generate, stream_generate
-from dflash.speculative import _confident_rows
 from dflash.target import VerifyTrace, forward, make_cache, rollback, target_parts
+from dflash.verify_policy import confident_rows, row_confidence
 
 N_TOKENS = 200
 
@@ -66,6 +66,10 @@ def test_shorter_verify_keeps_output_and_follows_confidence(kind, loaded_pair, r
     out = generate(model, oracle, tokenizer, prompt, block_size=8, max_tokens=N_TOKENS,
                    min_confidence=0.5)
     assert out.tokens == ref and out.stats.mean_tau > 7.5
+
+
+def _confident_rows(logits, columns, threshold):
+    return confident_rows(row_confidence(logits, columns).tolist(), threshold)
 
 
 def test_confident_rows_rule():

@@ -1,0 +1,228 @@
+"""What a verify pass and a draft pass cost on this machine, measured, cached, never hard-coded.
+
+Speculation pays when the tokens a cycle commits outweigh what the cycle costs relative to a plain
+one-token step, and that ratio is a property of the machine, the model and the context length.
+Measured on the project's 2-core CPU (built-in target, float32 + OpenBLAS, 256-token context), a
+target pass costs, in one-token steps: 1 row 1.0, 2 rows 1.2, 4 rows 1.5, 8-16 rows ~1.7, 24-32
+rows ~2.7, 64 rows ~4.5; on Apple GPUs other runtimes verify only 3-5 rows. So the first
+generation with a (target, drafter, dtype, device, MLX version) measures:
+
+* ``verify_ms[context][rows]``: one target pass over ``rows`` new tokens after ``context`` cached
+  ones, for a few row counts and two context lengths (linear interpolation between them);
+* ``draft_ms[rows]``: one drafter block pass of ``rows`` rows.
+
+It takes a few seconds (with a progress line) and is cached as JSON under
+``$DFLASH_HOME/calibration/``; a file that is corrupt or was measured on another machine is measured
+again (said once); an unwritable folder keeps the model in memory (said once).
+``dflash calibrate`` prints the table and a plot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from .console import log
+
+FORMAT = "dflash-cost/1"
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DRAFT_ROWS = (2, 4, 8, 16)
+CONTEXTS = (128, 1024)
+
+_memory: dict[str, CostModel] = {}
+_lock = threading.Lock()
+_said: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        log(message)
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear in ``xs``, extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y0
+
+
+@dataclass
+class CostModel:
+    """Measured pass times (milliseconds) and what they were measured for."""
+
+    key: str
+    machine: dict
+    rows: list[int]
+    contexts: list[int]
+    verify_ms: list[list[float]]  # [context index][rows index]
+    draft_rows: list[int]
+    draft_ms: list[float]
+    measured_at: str = ""
+    format: str = FORMAT
+
+    def verify(self, rows: int, context: int = 256) -> float:
+        """Milliseconds of one target pass over ``rows`` tokens after ``context`` cached ones."""
+        per_context = [_interp(rows, self.rows, ms) for ms in self.verify_ms]
+        return max(1e-3, _interp(context, self.contexts, per_context))
+
+    def draft(self, rows: int) -> float:
+        """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
+        return 0.0 if rows <= 1 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
+
+    def table(self) -> list[dict]:
+        step = {c: self.verify(1, c) for c in self.contexts}
+        return [{"rows": r, **{f"verify_ms@{c}": round(self.verify(r, c), 2) for c in self.contexts},
+                 **{f"x_step@{c}": round(self.verify(r, c) / step[c], 2) for c in self.contexts}}
+                for r in self.rows]
+
+
+def machine_id() -> dict:
+    """What makes timings differ between machines (not the hostname: a rebuilt machine of the
+    same kind measures the same)."""
+    from . import backend
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    return {"device": str(mx.default_device()), "mlx": mx.__version__,
+            "machine": platform.machine(), "system": platform.system(), "cpu": cpu,
+            "cores": os.cpu_count(), "blas": str(getattr(backend, "blas_status", ""))}
+
+
+def cost_key(parts, draft) -> str:
+    """A hash of the shapes and dtypes that decide the cost of a pass."""
+    cfg = draft.config
+    desc = {
+        "target": type(parts.model).__module__, "layers": parts.num_layers,
+        "hidden": parts.hidden_size, "vocab": parts.vocab_size,
+        "dtype": str(parts.norm.weight.dtype),
+        "quantized": bool(hasattr(parts.embed_tokens, "scales")),
+        "draft_layers": len(draft.layers), "draft_hidden": cfg.hidden_size,
+        "draft_vocab": len(cfg.draft_vocab_ids) if cfg.draft_vocab_ids else cfg.vocab_size,
+        "draft_dtype": str(draft.norm.weight.dtype),
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
+            repeats: int = 3, quiet: bool = False) -> CostModel:
+    """Time target passes of ``rows`` rows at ``contexts`` and drafter passes of ``draft_rows``."""
+    from .target import forward, make_cache
+
+    if not quiet:
+        log(f"measuring this machine's verify and draft costs ({len(rows) * len(contexts)} "
+            "target shapes, once; cached) ...")
+    tic = time.perf_counter()
+    verify_ms = []
+    for context in contexts:
+        cache = make_cache(parts)
+        prompt = (mx.arange(context) % max(2, parts.vocab_size - 1))[None] + 1
+        logits, taps = forward(parts, prompt, cache, draft.target_layer_ids)
+        mx.eval(logits, [c.state for c in cache])
+        row_ms = []
+        for r in rows:
+            tokens = (mx.arange(r) % max(2, parts.vocab_size - 1))[None] + 1
+
+            def verify(tokens=tokens, r=r, cache=cache):
+                # Recurrent (GatedDeltaNet) states cannot trim: put the old arrays back.
+                saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+                out, _ = forward(parts, tokens, cache, draft.target_layer_ids)
+                mx.eval(out)
+                for c, state in zip(cache, saved):
+                    if state is None:
+                        c.trim(r)
+                    else:
+                        c.cache = state
+
+            row_ms.append(_median_ms(verify, repeats))
+        verify_ms.append(row_ms)
+    dcache = draft.make_cache()
+    draft.append_context(taps, dcache)
+    mx.eval([c.state for c in dcache])
+    draft_ms = [_median_ms(lambda n=n: mx.eval(draft.block_logits(parts, 1, n, dcache)), repeats)
+                for n in draft_rows]
+    model = CostModel(key=cost_key(parts, draft), machine=machine_id(), rows=list(rows),
+                      contexts=list(contexts), verify_ms=verify_ms, draft_rows=list(draft_rows),
+                      draft_ms=draft_ms, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if not quiet:
+        log(f"measured in {time.perf_counter() - tic:.1f} s: verify 1 row "
+            f"{model.verify(1):.1f} ms, 16 rows {model.verify(16):.1f} ms; draft 16 rows "
+            f"{model.draft(16):.1f} ms")
+    return model
+
+
+def calibration_dir() -> Path:
+    from .default_pair import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def _read(path: Path, key: str) -> CostModel | None:
+    """The cached model, or ``None`` (and why, once) when it is missing, corrupt or foreign."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        model = CostModel(**data)
+        if model.format != FORMAT or model.key != key or len(model.verify_ms) != len(model.contexts):
+            raise ValueError("not a cost model for this pair")
+    except (ValueError, TypeError, OSError) as e:
+        _say_once(str(path), f"calibration {path} is unreadable ({e}); measuring again")
+        return None
+    if model.machine != machine_id():
+        _say_once(str(path), f"calibration {path} was measured on another machine or MLX "
+                  "version; measuring again")
+        return None
+    return model
+
+
+def cost_model(parts, draft, refresh: bool = False, quiet: bool = False) -> CostModel:
+    """The cost model of this (target, drafter) on this machine: from memory, from the cache
+    folder, or measured now (and saved)."""
+    key = cost_key(parts, draft)
+    with _lock:
+        if not refresh and key in _memory:
+            return _memory[key]
+        path = calibration_dir() / f"{key}.json"
+        model = None if refresh else _read(path, key)
+        if model is None:
+            model = measure(parts, draft, quiet=quiet)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(asdict(model), indent=1) + "\n")
+                os.replace(tmp, path)
+            except OSError as e:
+                _say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
+                          "keeping it in memory for this process")
+        _memory[key] = model
+        return model
