@@ -340,6 +340,10 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
     userver = UvicornServer(config)
     try:
         userver.run()
+    except SystemExit:
+        if userver.started:
+            raise
+        # uvicorn exits the process when it cannot bind; report it as one line instead.
     finally:
         worker.stop()
     if not userver.started:
