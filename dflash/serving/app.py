@@ -29,6 +29,7 @@ from ..errors import (
     ServerStartError,
 )
 from ..pair import load_pair
+from ..speculative import DFlashResponse
 from ..stats import generation_stats
 from ..target import target_parts
 from .openai_format import StreamFormat, full_response, model_card, sse
@@ -80,13 +81,13 @@ class Server:
             "block_size": self.served.block_size or self.pair.draft.block_size,
             "max_context": self.max_context})
 
-    def stats(self, r, job: Job) -> dict:
+    def stats(self, r: DFlashResponse, job: Job) -> dict:
         """The ``dflash`` field of a response: the generation's statistics and the server's own."""
         return {**generation_stats(r),
                 "block_size": job.kwargs.get("block_size") or self.pair.draft.block_size,
                 "queue_time": round(job.queue_time, 4)}
 
-    async def generate(self, req: CompletionRequest) -> AsyncIterator[tuple[Job, object]]:
+    async def generate(self, req: CompletionRequest) -> AsyncIterator[tuple[Job, DFlashResponse]]:
         """The worker's ``(job, response)`` stream, its failures as ``APIError``s."""
         stream = self.worker.stream(req.prompt_ids, req.settings.engine_kwargs())
         try:
