@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .stats import generation_stats
+
 # A small built-in prompt set, written for this project: grade-school math word problems (where
 # DFlash drafters accept long runs) and short coding tasks.
 BUILTIN_PROMPTS: list[dict] = [
@@ -127,11 +129,8 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
         last = r
     end = time.perf_counter()
     out = _timing(tokens, tic, first or end, end)
-    out.update(cycles=last.cycles, cycle_tokens=last.mean_tau * last.cycles,
-               tau=last.mean_tau, draft_time=last.draft_time, verify_time=last.verify_time,
-               verified_tokens=last.verified_tokens,
-               acceptance_by_position=list(last.acceptance_by_position),
-               peak_memory_gb=last.peak_memory)
+    out.update(generation_stats(last, rounded=False),
+               cycle_tokens=last.mean_tau * last.cycles)
     return out
 
 
@@ -316,7 +315,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
                     r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
-                            f"{r['decode_tps']:.1f} tok/s, τ {r['tau']:.2f}")
+                            f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
                 say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
     elapsed = time.perf_counter() - tic
 

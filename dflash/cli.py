@@ -19,6 +19,7 @@ from . import __version__
 from .console import PROG, log, one_line
 from .errors import DFlashError
 from .pair import Pair, load_pair
+from .stats import generation_stats
 
 # Subcommands whose options and behaviour live in other modules, imported only when chosen.
 EXTERNAL = {
@@ -95,6 +96,31 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
                         "(default: the template's own default)")
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists "
+                        "(default: the target folder's name)")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="longest prompt + answer in tokens (default: the target's "
+                        "max_position_embeddings)")
+    g.add_argument("--default-max-tokens", type=int, default=512,
+                   help="answer length when a request gives no max_tokens (default 512)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per draft block (default: the drafter's)")
+    g.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for the model before new ones get 429 "
+                        "(default 64)")
+    g.add_argument("--reasoning", choices=("auto", "on", "off"), default="auto",
+                   help="split <think>…</think> into reasoning_content: auto (when the "
+                        "tokenizer knows thinking tags), on, off (default auto)")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn log level (default info)")
+
+
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -160,22 +186,9 @@ def probe_target_tps(model, token: int, steps: int = 8) -> float:
 
 
 def stats_dict(r, target_tps: float | None = None) -> dict:
-    """The statistics of a finished generation (its last ``DFlashResponse``)."""
-    stats = {
-        "prompt_tokens": r.prompt_tokens,
-        "reused_prompt_tokens": r.reused_prompt_tokens,
-        "generation_tokens": r.generation_tokens,
-        "finish_reason": r.finish_reason,
-        "mean_tau": round(r.mean_tau, 4),
-        "cycles": r.cycles,
-        "verified_tokens": r.verified_tokens,
-        "prompt_tps": round(r.prompt_tps, 2),
-        "generation_tps": round(r.generation_tps, 2),
-        "draft_time": round(r.draft_time, 4),
-        "verify_time": round(r.verify_time, 4),
-        "peak_memory_gb": round(r.peak_memory, 4),
-        "acceptance_by_position": [round(a, 4) for a in r.acceptance_by_position],
-    }
+    """The statistics of a finished generation (its last ``DFlashResponse``), for people."""
+    stats = {"prompt_tokens": r.prompt_tokens, "generation_tokens": r.generation_tokens,
+             "finish_reason": r.finish_reason, **generation_stats(r)}
     if target_tps:
         stats["target_only_tps_estimate"] = round(target_tps, 2)
         stats["speedup_estimate"] = round(r.generation_tps / target_tps, 3)
@@ -343,9 +356,24 @@ def chat_stats(totals: dict, last: dict | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    """Load, then serve until Ctrl-C."""
+    for name in ("port", "default_max_tokens", "max_queue"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise CLIError(f"--{name.replace('_', '-')} {getattr(args, name)}: out of range",
+                           code=2)
+    if args.max_context is not None and args.max_context < 2:
+        raise CLIError(f"--max-context {args.max_context}: must be >= 2", code=2)
+    if args.block_size is not None and args.block_size < 2:
+        raise CLIError(f"--block-size {args.block_size}: must be >= 2", code=2)
+    from .serving import create_server, run  # MLX and the server load only for `serve`
 
-    return serve(args)
+    server = create_server(args.model, args.draft, served_model_name=args.served_model_name,
+                           max_context=args.max_context,
+                           default_max_tokens=args.default_max_tokens,
+                           block_size=args.block_size, max_queue=args.max_queue,
+                           reasoning=args.reasoning)
+    run(server, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -423,8 +451,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
                        "/health and /metrics (Prometheus).")
     add_model_args(p)
-    from .server import add_serve_args
-
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -51,3 +51,25 @@ class MissingDependencyError(DFlashError):
 
 class QueueFull(Exception):
     """The serving worker's queue is full; the HTTP layer answers 429."""
+
+
+class GenerationCancelled(Exception):
+    """A queued or running generation stopped because its client left or the server stops."""
+
+
+class ServerStartError(DFlashError):
+    """``dflash serve`` could not listen on the address and port it was given."""
+
+
+class APIError(Exception):
+    """An OpenAI-style HTTP error: the status and the ``{"error": {...}}`` body a client gets."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}

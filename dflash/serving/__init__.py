@@ -1,1 +1,15 @@
-"""The OpenAI-compatible HTTP server: request parsing, the generation worker, metrics."""
+"""The OpenAI-compatible HTTP server (``dflash serve``), one module per job.
+
+- ``requests``: request bodies -> typed, validated dataclasses (the engine's rules, OpenAI's limits)
+- ``worker``: the one thread that owns the model, and its job queue
+- ``metrics``: ``/metrics`` through prometheus_client, one registry per server
+- ``reasoning``: the ``<think>`` split (pure text)
+- ``openai_format``: OpenAI's response, chunk and usage shapes
+- ``app``: the FastAPI app, SSE streaming, ``create_server`` and ``run``
+
+FastAPI, uvicorn and prometheus_client are imported only when a server is built.
+"""
+
+from .app import Server, create_server, run
+
+__all__ = ["Server", "create_server", "run"]

@@ -1,0 +1,351 @@
+"""The FastAPI app over the worker, SSE streaming, and the entry points ``create_server``/``run``.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed over SSE or not),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). Bad requests get
+an OpenAI-style ``{"error": {...}}`` body with a 4xx status; this is the one place that turns the
+lower layers' exceptions (``QueueFull``, ``GenerationCancelled``, the engine's
+``GenerationConfigError``) into HTTP statuses. A streaming client that disconnects cancels its
+generation at the next cycle and frees the worker.
+
+FastAPI, uvicorn and prometheus_client are imported only when a server is built
+(``pip install dflash[serve]``).
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route handlers' annotations
+# (``request: Request``, imported inside ``build_app``) at runtime.
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from .. import __version__
+from ..console import log
+from ..errors import (
+    APIError,
+    DFlashError,
+    GenerationCancelled,
+    MissingDependencyError,
+    QueueFull,
+    ServerStartError,
+)
+from ..pair import load_pair
+from ..speculative import DFlashResponse
+from ..stats import generation_stats
+from ..target import target_parts
+from .openai_format import StreamFormat, full_response, model_card, sse
+from .reasoning import ThinkSplitter, think_tags
+from .requests import CompletionRequest, ServedModel, config_error, parse_request, read_json
+from .worker import Job, Worker
+
+
+class Server:
+    """Request handling around a started :class:`Worker`; ``app`` is the FastAPI application."""
+
+    def __init__(self, worker: Worker, model_name: str, max_context: int | None = None,
+                 default_max_tokens: int = 512, block_size: int | None = None,
+                 reasoning: str = "auto"):
+        self.worker = worker
+        self.pair = worker.pair
+        self.tokenizer = self.pair.tokenizer
+        self.created = int(time.time())
+        self.served = ServedModel(
+            name=model_name, path=self.pair.model_path,
+            vocab_size=target_parts(self.pair.model).vocab_size,
+            max_context=max_context or self.pair.max_context,
+            default_max_tokens=default_max_tokens, block_size=block_size,
+            think_tags=think_tags(self.tokenizer, reasoning))
+        self.metrics = worker.metrics
+        self.metrics.watch({"model": model_name, "draft": self.pair.draft_path},
+                           queue_depth=lambda: worker.queue_depth, busy=lambda: worker.busy)
+        self.app = build_app(self)
+
+    @property
+    def model_name(self) -> str:
+        return self.served.name
+
+    @property
+    def max_context(self) -> int | None:
+        return self.served.max_context
+
+    @property
+    def think_tags(self) -> tuple[str, str] | None:
+        return self.served.think_tags
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.model_name, "draft": self.pair.draft_path,
+                "queue_depth": self.worker.queue_depth, "busy": self.worker.busy}
+
+    def model_card(self) -> dict:
+        return model_card(self.model_name, self.created, self.pair.model_path, {
+            "draft": self.pair.draft_path,
+            "block_size": self.served.block_size or self.pair.draft.block_size,
+            "max_context": self.max_context})
+
+    def stats(self, r: DFlashResponse, job: Job) -> dict:
+        """The ``dflash`` field of a response: the generation's statistics and the server's own."""
+        return {**generation_stats(r),
+                "block_size": job.kwargs.get("block_size") or self.pair.draft.block_size,
+                "queue_time": round(job.queue_time, 4)}
+
+    async def generate(self, req: CompletionRequest) -> AsyncIterator[tuple[Job, DFlashResponse]]:
+        """The worker's ``(job, response)`` stream, its failures as ``APIError``s."""
+        stream = self.worker.stream(req.prompt_ids, req.settings.engine_kwargs())
+        try:
+            async for item in stream:
+                yield item
+        except QueueFull as e:
+            raise APIError(429, str(e), type_="rate_limit_error", code="queue_full") from None
+        except GenerationCancelled:
+            raise APIError(503, "the generation was cancelled", type_="server_error",
+                           code="cancelled") from None
+        except DFlashError as e:  # the engine rejected a setting: the client's to fix
+            raise config_error(e) from None
+        except Exception as e:  # anything else the engine raised, reported to the client
+            raise APIError(500, f"generation failed: {e}", type_="server_error",
+                           code="internal_error") from None
+        finally:
+            await stream.aclose()
+
+    async def collect(self, request, req: CompletionRequest):
+        """Run to the end; a client that leaves (even while queued) cancels the job."""
+        text, last, job = [], None, None
+        gen = self.generate(req)
+        watcher = asyncio.ensure_future(_watch_disconnect(request))
+        try:
+            while True:
+                step = asyncio.ensure_future(gen.__anext__())
+                await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await step
+                    raise APIError(499, "the client closed the request", code="client_closed")
+                try:
+                    job, r = step.result()
+                except StopAsyncIteration:
+                    break
+                text.append(r.text)
+                last = r
+        finally:
+            watcher.cancel()
+            await gen.aclose()
+        return "".join(text), last, job
+
+    async def events(self, req: CompletionRequest) -> AsyncIterator[str]:
+        """Server-sent events of one generation; the first item is yielded before any output."""
+        splitter = (ThinkSplitter(*self.think_tags, in_reasoning=req.opens_reasoning)
+                    if req.endpoint == "chat" and self.think_tags else None)
+        fmt = StreamFormat(req.endpoint, self.model_name, splitter)
+        gen = self.generate(req)
+        status, started = "ok", False
+        try:
+            job, r = await gen.__anext__()  # errors before any output propagate to the handler
+            started = True
+            yield fmt.opening()  # "" for completions: the generation has started
+            while True:
+                for line in fmt.delta(r.text, r.finish_reason is not None):
+                    yield line
+                if r.finish_reason is not None:
+                    break
+                job, r = await gen.__anext__()
+            for line in fmt.closing(len(req.prompt_ids), r, self.stats(r, job),
+                                    req.include_usage):
+                yield line
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        except APIError as e:
+            status = "cancelled" if e.code == "cancelled" else str(e.status)
+            if not started:
+                raise
+            # Headers are gone: report in-band, as OpenAI does, and end the stream.
+            yield sse(e.body())
+        finally:
+            await gen.aclose()
+            if started:
+                self.metrics.request(req.endpoint, status)
+
+
+def build_app(server: Server):
+    """The FastAPI application: routes and the handlers that give every error OpenAI's shape."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from .metrics import CONTENT_TYPE
+
+    app = FastAPI(title="dflash", version=__version__, docs_url=None, redoc_url=None)
+
+    class CancellingStream(StreamingResponse):
+        """A streaming response that closes its source however the response ends."""
+
+        on_close = None
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                if self.on_close is not None:
+                    await self.on_close()
+
+    async def answer(request: Request, endpoint: str):
+        """``POST /v1/chat/completions`` (``endpoint="chat"``) or ``/v1/completions``."""
+        try:
+            req = parse_request(endpoint, read_json(await request.body()), server.tokenizer,
+                                server.served)
+            if req.stream:
+                events = server.events(req)
+                # Wait for the first event (the generation has started) before answering, so
+                # that errors raised before any output still get a JSON error and a 4xx.
+                first = await _first_or_disconnect(request, events)
+                if first is None:
+                    server.metrics.request(endpoint, "cancelled")
+                    return JSONResponse(APIError(499, "client closed the request").body(),
+                                        status_code=499)
+                response = CancellingStream(_prepend(first, events),
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache",
+                                                     "X-Accel-Buffering": "no"})
+                response.on_close = events.aclose
+                return response
+            text, last, job = await server.collect(request, req)
+            result = full_response(endpoint, server.model_name, len(req.prompt_ids), text, last,
+                                   server.stats(last, job), server.think_tags,
+                                   req.opens_reasoning)
+            server.metrics.request(endpoint, "ok")
+            return JSONResponse(result)
+        except APIError as e:
+            server.metrics.request(endpoint, str(e.status))
+            return JSONResponse(e.body(), status_code=e.status)
+
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, e):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type_=kind).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, e):
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return server.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist", param="model",
+                           code="model_not_found")
+        return server.model_card()
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, "completions")
+
+    return app
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    if first:
+        yield first
+    async for item in rest:
+        yield item
+
+
+async def _first_or_disconnect(request, events: AsyncIterator[str]) -> str | None:
+    """The first event of ``events``, or ``None`` (and ``events`` closed) if the client left."""
+    first = asyncio.ensure_future(events.__anext__())
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
+    try:
+        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if first.done():
+        return first.result()  # raises the generation's APIError, if any
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, APIError):
+        await first
+    await events.aclose()
+    return None
+
+
+async def _watch_disconnect(request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def create_server(model: str | None = None, draft: str | None = None, *,
+                  served_model_name: str | None = None, max_context: int | None = None,
+                  default_max_tokens: int = 512, block_size: int | None = None,
+                  max_queue: int = 64, reasoning: str = "auto", quiet: bool = False) -> Server:
+    """Load the pair in the worker's thread and build the app (``server.app``)."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError("the server needs FastAPI, uvicorn and prometheus_client: "
+                                     "pip install 'dflash[serve]'") from None
+    from .metrics import Metrics
+
+    worker = Worker(lambda: load_pair(model, draft, log=None if quiet else log), Metrics(),
+                    max_queue=max_queue).start()
+    return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
+                  default_max_tokens=default_max_tokens, block_size=block_size,
+                  reasoning=reasoning)
+
+
+def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
+        log_level: str = "info") -> None:
+    """Serve until Ctrl-C or SIGTERM; ``ServerStartError`` if it could not listen."""
+    import uvicorn
+
+    log(f"serving `{server.model_name}` at http://{host}:{port}/v1 "
+        f"(max context {server.max_context}, reasoning split "
+        f"{'on' if server.think_tags else 'off'}); Ctrl-C stops")
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5,
+                            access_log=log_level in ("info", "debug"))
+    worker = server.worker
+
+    class UvicornServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # End open streams now (they get an in-band error and close), so that the graceful
+            # shutdown does not have to wait for long generations.
+            worker.cancel_all()
+            super().handle_exit(sig, frame)
+
+    userver = UvicornServer(config)
+    try:
+        userver.run()
+    except SystemExit:
+        if userver.started:
+            raise
+        # uvicorn exits the process when it cannot bind; report it as one line instead.
+    finally:
+        worker.stop()
+    if not userver.started:
+        raise ServerStartError(f"could not listen on {host}:{port}")

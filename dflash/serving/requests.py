@@ -1,0 +1,276 @@
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, parsed into dataclasses.
+
+This layer checks what is HTTP's or OpenAI's own: the JSON shape of each field, the model name,
+the prompt against the context length, and the API's documented limits (``temperature <= 2``,
+penalties in [-2, 2], ``max_tokens >= 1``, at most 16 stop strings). The ranges of the sampling
+settings are checked by the engine's own rules, ``SamplingConfig.validate``, once here so that a
+bad request gets its 400 before it queues; ``block_size`` and ``min_confidence`` are checked by
+the engine when the job starts. Every rejection is an ``APIError`` naming the parameter at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..errors import APIError, GenerationConfigError
+from ..prompts import encode_prompt, encode_text
+from ..sampling import SamplingConfig
+from .reasoning import prompt_opens_reasoning
+
+ENDPOINTS = ("chat", "completions")
+# What the OpenAI API accepts, where it is narrower than what the engine can do.
+API_LIMITS = {"temperature": (None, 2.0), "presence_penalty": (-2.0, 2.0),
+              "frequency_penalty": (-2.0, 2.0)}
+MAX_STOP_STRINGS = 16
+# OpenAI parameters this server does not implement: rejected rather than silently ignored.
+UNSUPPORTED = {"logprobs": lambda v: bool(v), "top_logprobs": lambda v: bool(v),
+               "echo": lambda v: v is True, "best_of": lambda v: v not in (None, 1),
+               "suffix": lambda v: bool(v)}
+
+
+@dataclass
+class ServedModel:
+    """The model a server serves and the limits it puts on requests."""
+
+    name: str
+    path: str
+    vocab_size: int
+    max_context: int | None
+    default_max_tokens: int = 512
+    block_size: int | None = None
+    think_tags: tuple[str, str] | None = None
+
+    def accepts(self, name: str) -> bool:
+        return name in (self.name, self.path, "dflash", "default")
+
+
+@dataclass
+class GenerationSettings:
+    """How to generate: a validated ``SamplingConfig`` plus the length and stop settings."""
+
+    sampling: SamplingConfig
+    max_tokens: int
+    stop: list[str] | None = None
+    block_size: int | None = None
+    min_confidence: float | None = None
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of ``dflash.speculative.stream_generate``."""
+        s = self.sampling
+        return dict(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            # 1.0 changes nothing; None skips the penalty pass altogether.
+            repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            seed=s.seed, logit_bias=s.logit_bias, proposal=s.proposal,
+            max_tokens=self.max_tokens, stop=self.stop, block_size=self.block_size,
+            min_confidence=self.min_confidence)
+
+
+@dataclass
+class CompletionRequest:
+    """A parsed request of either endpoint."""
+
+    endpoint: str  # "chat" or "completions"
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
+    opens_reasoning: bool = False  # the prompt ends inside a <think> block
+
+
+def read_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 ``invalid_json``."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def config_error(e: Exception) -> APIError:
+    """Map a ``GenerationConfigError`` ("name=value: rule") to a 400 naming the parameter."""
+    message = str(e)
+    param = message.split("=", 1)[0] if "=" in message.split(":", 1)[0] else None
+    if param and not param.replace("_", "").replace("[", "").replace("]", "").isalnum():
+        param = None
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
+    """Check and encode one request body of ``endpoint`` ("chat" or "completions")."""
+    check_model(body, served)
+    if endpoint == "chat":
+        ids = chat_prompt_ids(body, tokenizer)
+        opens, param = prompt_opens_reasoning(tokenizer, ids, served.think_tags), "messages"
+    else:
+        ids, opens, param = completion_prompt_ids(body, tokenizer, served.vocab_size), False, "prompt"
+    settings = generation_settings(body, served, len(ids), param)
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options")
+    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+    return CompletionRequest(endpoint, ids, settings, stream=stream, include_usage=include_usage,
+                             opens_reasoning=opens)
+
+
+def check_model(body: dict, served: ServedModel) -> None:
+    name = body.get("model")
+    if name is not None and not served.accepts(name):
+        raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                       f"`{served.name}`", param="model", code="model_not_found")
+
+
+def _number(body: dict, name: str, default, integer: bool = False):
+    """A numeric field's JSON type (ranges are checked elsewhere); ``default`` when absent."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise APIError(400, f"{name}={value!r}: must be {'an integer' if integer else 'a number'}",
+                       param=name, code="invalid_type")
+    return int(value) if integer else float(value)
+
+
+def generation_settings(body: dict, served: ServedModel, n_prompt: int,
+                        param: str) -> GenerationSettings:
+    """The settings of a request whose prompt has ``n_prompt`` tokens (``param`` holds it)."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    explicit = max_tokens is not None
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", served.default_max_tokens,
+                         integer=True)
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens={max_tokens!r}: must be >= 1", param="max_tokens",
+                       code="invalid_value")
+    if body.get("n", 1) not in (1, None):
+        raise APIError(400, "n: only n=1 is supported", param="n", code="invalid_value")
+    for name, rejected in UNSUPPORTED.items():
+        if rejected(body.get(name)):
+            raise APIError(400, f"{name}: not supported by this server", param=name,
+                           code="unsupported_parameter")
+    if served.max_context is not None:
+        if n_prompt >= served.max_context:
+            raise APIError(400, f"This model's maximum context length is "
+                           f"{served.max_context} tokens, but the prompt has {n_prompt} tokens",
+                           param=param, code="context_length_exceeded")
+        room = served.max_context - n_prompt
+        if explicit and max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is "
+                           f"{served.max_context} tokens; the prompt has {n_prompt} tokens "
+                           f"and max_tokens={max_tokens} asks for {n_prompt + max_tokens}",
+                           param="max_tokens", code="context_length_exceeded")
+        max_tokens = min(max_tokens, room)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+                             or any(not isinstance(s, str) or not s for s in stop)):
+        raise APIError(400, "stop: a string or a list of non-empty strings",
+                       param="stop", code="invalid_value")
+    block_size = _number(body, "block_size", served.block_size, integer=True)
+    sampling = SamplingConfig(
+        temperature=_number(body, "temperature", 0.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_number(body, "top_k", 0, integer=True),
+        min_p=_number(body, "min_p", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", None),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        seed=body.get("seed"), logit_bias=body.get("logit_bias"),
+        proposal=body.get("proposal", "sample"))
+    try:
+        sampling.validate(served.vocab_size)
+    except GenerationConfigError as e:
+        raise config_error(e) from None
+    for name, (lo, hi) in API_LIMITS.items():
+        value = getattr(sampling, name)
+        if lo is not None and value < lo:
+            raise APIError(400, f"{name}={value!r}: must be >= {lo:g}", param=name,
+                           code="invalid_value")
+        if value > hi:
+            raise APIError(400, f"{name}={value!r}: must be <= {hi:g}", param=name,
+                           code="invalid_value")
+    return GenerationSettings(sampling, max_tokens, stop=stop, block_size=block_size,
+                              min_confidence=_number(body, "min_confidence", None))
+
+
+def _content_text(content, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                    part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise APIError(400, f"messages[{index}].content: only text parts are supported",
+                               param="messages", code="invalid_value")
+        return "".join(parts)
+    raise APIError(400, f"messages[{index}].content: must be a string or a list of text parts",
+                   param="messages", code="invalid_type")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The ``messages`` of a chat request, as the chat template takes them (text only)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: a non-empty list of {role, content} objects is required",
+                       param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}]: needs a string `role`", param="messages",
+                           code="invalid_value")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role, "content": _content_text(m.get("content"), i)}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if key in m:
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+    """Prompt ids of a chat request: its messages through the tokenizer's chat template."""
+    messages = chat_messages(body)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "chat_template_kwargs: must be an object",
+                       param="chat_template_kwargs", code="invalid_type")
+    for key in ("enable_thinking", "reasoning_effort"):
+        if key in body and key not in kwargs:
+            kwargs[key] = body[key]
+    if "reasoning_effort" in kwargs and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = kwargs["reasoning_effort"] not in (None, "none")
+    kwargs.pop("reasoning_effort", None)
+    try:
+        return encode_prompt(tokenizer, {"messages": messages}, **kwargs)
+    except Exception as e:  # templates raise anything (jinja, KeyError, ...): the client's fault
+        raise APIError(400, f"messages: the chat template rejected them ({e})",
+                       param="messages", code="invalid_value") from None
+
+
+def completion_prompt_ids(body: dict, tokenizer, vocab_size: int) -> list[int]:
+    """Prompt ids of a completion request: one string, or one list of token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return encode_text(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise APIError(400, "prompt: token id outside the vocabulary", param="prompt",
+                           code="invalid_value")
+        return list(prompt)
+    raise APIError(400, "prompt: a non-empty string or list of token ids (one prompt)",
+                   param="prompt", code="invalid_value")

@@ -1,0 +1,177 @@
+"""The generation worker: one thread owns the model and runs queued jobs one at a time.
+
+MLX state (the model, its caches, the shared prompt cache) belongs to a single thread, so no two
+generations ever share it; the event loop talks to that thread only through each job's asyncio
+queue. A job whose client left is stopped at its next cycle, or skipped if it is still queued.
+This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelled job
+``GenerationCancelled``, and a failed one re-raises the engine's own exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import GenerationCancelled, QueueFull
+from ..prompt_cache import PromptCache
+from ..speculative import DFlashResponse, stream_generate
+
+
+@dataclass
+class Job:
+    """One generation: its prompt, the engine's keyword arguments and the queue its events go to."""
+
+    prompt_ids: list[int]
+    kwargs: dict
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+
+    @property
+    def queue_time(self) -> float:
+        """Seconds the job waited for the worker (so far, while it still waits)."""
+        return (self.started or self.submitted) - self.submitted
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone: the server is shutting down
+            self.cancel.set()
+
+
+class Worker:
+    """Loads the pair in its own thread and runs queued generations there, one at a time.
+
+    ``metrics`` receives ``generation(last_response)`` and ``cancelled_generation()``.
+    """
+
+    def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64):
+        self.loader = loader
+        self.metrics = metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.max_queue = max_queue
+        self.pair = None
+        self.current: Job | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+
+    def start(self) -> Worker:
+        """Start the thread and wait until the pair is loaded (re-raising a load error here)."""
+        self.thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        return self
+
+    def cancel_all(self) -> None:
+        """Stop the running generation at its next cycle and drop every queued one."""
+        job = self.current
+        if job is not None:
+            job.cancel.set()
+        kept = []
+        while True:
+            try:
+                pending = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if pending is None:
+                kept.append(pending)
+            else:
+                pending.cancel.set()
+                pending.emit("cancelled")
+        for item in kept:
+            self.jobs.put(item)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything and end the worker thread (MLX must be idle before exit)."""
+        self.cancel_all()
+        self.jobs.put(None)
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.jobs.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def submit(self, job: Job) -> None:
+        if self.jobs.qsize() >= self.max_queue:
+            raise QueueFull(f"{self.jobs.qsize()} requests are already waiting; retry later")
+        self.jobs.put(job)
+
+    async def stream(self, prompt_ids: list[int],
+                     kwargs: dict) -> AsyncIterator[tuple[Job, DFlashResponse]]:
+        """Submit a job; yield ``(job, response)`` per cycle. Closing the iterator cancels it."""
+        job = Job(prompt_ids, kwargs, asyncio.get_running_loop(), asyncio.Queue())
+        self.submit(job)
+        try:
+            while True:
+                kind, value = await job.out.get()
+                if kind == "chunk":
+                    yield job, value
+                elif kind == "done":
+                    return
+                elif kind == "cancelled":
+                    raise GenerationCancelled("the generation was cancelled")
+                elif kind == "error":
+                    raise value
+        finally:
+            job.cancel.set()  # no-op when finished; stops the worker when the client left
+
+    def _run(self) -> None:
+        try:
+            self.pair = self.loader()
+        except BaseException as e:  # reported to start() in the main thread
+            self._load_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        # One worker serves every request, so one cache: shared prefixes (system prompts,
+        # earlier turns) are not prefilled again.
+        prompt_cache = PromptCache()
+
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancel.is_set():  # its client left while it waited
+                self.metrics.cancelled_generation()
+                job.emit("cancelled")
+                continue
+            self.current = job
+            job.started = time.perf_counter()
+            last = None
+            try:
+                gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
+                                      job.prompt_ids, prompt_cache=prompt_cache, **job.kwargs)
+                for r in gen:
+                    last = r
+                    job.emit("chunk", r)
+                    if job.cancel.is_set():
+                        gen.close()
+                        break
+                if job.cancel.is_set() and (last is None or last.finish_reason is None):
+                    self.metrics.cancelled_generation()
+                    job.emit("cancelled")
+                else:
+                    job.emit("done")
+            except Exception as e:  # reported to the client; the worker keeps serving
+                if not isinstance(e, ValueError):
+                    traceback.print_exc()
+                job.emit("error", e)
+            finally:
+                if last is not None:
+                    self.metrics.generation(last)
+                self.current = None
