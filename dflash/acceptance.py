@@ -1,7 +1,7 @@
 """How well a drafter predicts its target: τ (tokens committed per cycle) on greedy generation.
 
 One measurement serves convert (original vs quantized drafter), training (held-out evaluation) and
-the scripts. Every proposal of a block is verified (``min_confidence=0``) so that τ measures the
+the scripts. Every proposal of a block is verified (``policy="fixed"``) so that τ measures the
 drafter, not the machine's verify-length policy.
 """
 
@@ -28,7 +28,7 @@ def measure_tau(model, tokenizer, draft, prompts: list[list[int]], block_size: i
     t0 = time.perf_counter()
     for ids in prompts:
         res = generate(model, draft, tokenizer, ids, block_size=block_size,
-                       max_tokens=max_tokens, temperature=0.0, min_confidence=0.0)
+                       max_tokens=max_tokens, temperature=0.0, policy="fixed")
         st = res.stats
         outputs.append(res.tokens)
         emitted += round(st.mean_tau * st.cycles)

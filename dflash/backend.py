@@ -110,16 +110,3 @@ def prepare_for_backend(module, dtype=None) -> None:
         module.parameters(),
     ))
     mx.eval(module.parameters())
-
-
-# On the CPU a verify row costs ~4 % of a one-token step (a 16-row pass of SmolLM2 in fp32 with
-# OpenBLAS ~1.6x a step, scripts/bench_verify.py), so a drafted token whose chance of surviving is
-# below a few percent costs more than it is expected to return. On Metal and CUDA the verify pass
-# is bound by reading the weights once and rows are nearly free.
-CPU_MIN_CONFIDENCE = 0.1
-
-
-def default_min_confidence() -> float:
-    """The drafter confidence below which drafted tokens are not verified (see
-    :func:`dflash.speculative.stream_generate`)."""
-    return CPU_MIN_CONFIDENCE if on_cpu() else 0.0

@@ -114,7 +114,8 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 
 
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
-                seed: int, min_confidence: float | None = None) -> dict:
+                seed: int, min_confidence: float | None = None,
+                policy: str | None = None) -> dict:
     from .model_mlx import stream_generate
 
     tokens: list[int] = []
@@ -122,7 +123,7 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
     first, last = None, None
     for r in stream_generate(pair.model, pair.draft, pair.tokenizer, list(ids),
                              block_size=block_size, max_tokens=max_tokens, seed=seed,
-                             min_confidence=min_confidence, **sampling):
+                             min_confidence=min_confidence, policy=policy, **sampling):
         if first is None:
             first = time.perf_counter()
         tokens.extend(r.tokens)
@@ -205,7 +206,10 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
                     "d_prompt": sum(r["prompt_time"] for r in runs),
                     "draft": sum(r["draft_time"] for r in runs),
                     "verify": sum(r["verify_time"] for r in runs),
-                    "verified": sum(r["verified_tokens"] for r in runs)},
+                    "verified": sum(r["verified_tokens"] for r in runs),
+                    "plain": sum(r["plain_steps"] for r in runs),
+                    "rows": sum(r["rows_per_pass"] * (r["cycles"] + r["plain_steps"])
+                                for r in runs)},
     }
 
 
@@ -225,6 +229,8 @@ def _overall(prompts: list[dict]) -> dict:
     return {
         "tau": t["cycle_tokens"] / t["cycles"] if t["cycles"] else 0.0,
         "verified_per_cycle": t["verified"] / t["cycles"] if t["cycles"] else 0.0,
+        "plain_share": t["plain"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
+        "rows_per_pass": t["rows"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
         "baseline_tokens_per_s": b_tps,
         "dflash_tokens_per_s": d_tps,
         "speedup": d_tps / b_tps if b_tps > 0 else None,
@@ -252,7 +258,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
               seed: int = 0, chat_template: bool = True, system: str | None = None,
               template_kwargs: dict | None = None, limit: int | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
-              pair=None, min_confidence: float | None = None) -> dict:
+              pair=None, min_confidence: float | None = None,
+              policy: str | None = None) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
@@ -279,9 +286,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
         pair = load_pair(model, draft, log=log)
     sizes = [b or pair.draft.block_size for b in block_sizes]
     sizes = list(dict.fromkeys(sizes))
-    from .backend import default_min_confidence
 
-    min_confidence_used = default_min_confidence() if min_confidence is None else min_confidence
+    policy_used = policy or ("auto" if min_confidence is None else "confidence")
     from .prompts import encode_prompt
 
     encoded = [encode_prompt(pair.tokenizer, item, chat_template=chat_template, system=system,
@@ -293,7 +299,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
         n = min(16, max_tokens)
         _run_baseline(pair, encoded[0], n, sampling, seed)
         for bs in sizes:
-            _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence)
+            _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy)
 
     base_runs: list[list[dict]] = [[] for _ in items]
     runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
@@ -312,7 +318,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
                     base_runs[i].append(r)
                     what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
-                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence)
+                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence,
+                                    policy)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
@@ -336,7 +343,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "prompts": source, "n_prompts": len(items), "max_tokens": max_tokens,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
-            "block_sizes": sizes, "min_confidence": min_confidence_used, "elapsed_s": elapsed},
+            "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
+            "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
     }
@@ -382,6 +390,17 @@ def _same(x) -> str:
     return "n/a" if x is None else ("yes" if x else "**no**")
 
 
+def _policy_text(cfg: dict) -> str:
+    policy = cfg.get("policy", "confidence")
+    if policy == "auto":
+        return ("auto (rows chosen per cycle from this machine's measured cost model; plain "
+                "steps while speculation loses)")
+    if policy == "fixed":
+        return "fixed (the whole block)"
+    return (f"confidence (drafted tokens checked while the drafter's running confidence is at "
+            f"least {cfg.get('min_confidence') or 0.0})")
+
+
 def markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [
@@ -392,8 +411,7 @@ def markdown(result: dict) -> str:
         f"- prompts: {cfg['prompts']} ({cfg['n_prompts']}), max tokens {cfg['max_tokens']}, "
         f"temperature {cfg['temperature']}, repeats {cfg['repeats']}"
         f"{', after a warm-up' if cfg['warmup'] else ''}",
-        f"- verify: drafted tokens checked while the drafter's running confidence is at least "
-        f"{cfg.get('min_confidence', 0.0)} (0: the whole block)",
+        f"- verify policy: {_policy_text(cfg)}",
         f"- device: {cfg['device']} · {cfg['platform']} · mlx {cfg['mlx']} · "
         f"mlx-lm {cfg['mlx_lm']} · dflash {cfg['dflash']}",
         "- tokens/s are decode speeds (after the first token), same prompt token ids for both",
@@ -431,7 +449,9 @@ def markdown(result: dict) -> str:
         share = f" ({100 * o['draft_time'] / busy:.0f}% drafting)" if busy > 0 else ""
         acc = " · ".join(f"{j + 1}: {a:.2f}" for j, a in enumerate(o["acceptance_by_position"]))
         lines += ["", f"Draft {o['draft_time']:.2f} s / verify {o['verify_time']:.2f} s{share}; "
-                      f"{o.get('verified_per_cycle', 0.0):.1f} drafted tokens verified per cycle.",
+                      f"{o.get('verified_per_cycle', 0.0):.1f} drafted tokens verified per cycle; "
+                      f"{o.get('rows_per_pass', 0.0):.1f} target rows per pass; "
+                      f"{100 * o.get('plain_share', 0.0):.0f}% plain steps (no drafting).",
                   "", f"Acceptance by block position: {acc}", ""]
     return "\n".join(lines) + "\n"
 
@@ -444,6 +464,8 @@ def format_summary(result: dict) -> str:
         out.append(f"block {r['block_size']}: τ {_f(o['tau'])}, mlx-lm "
                    f"{_f(o['baseline_tokens_per_s'], 1)} tok/s, dflash "
                    f"{_f(o['dflash_tokens_per_s'], 1)} tok/s, speed-up {_f(o['speedup'], 2, '×')}"
+                   f", {o.get('rows_per_pass', 0.0):.1f} rows/pass, "
+                   f"{100 * o.get('plain_share', 0.0):.0f}% plain steps"
                    f", identical at T=0: {_same(o['identical']).strip('*')}")
     return "\n".join(out)
 

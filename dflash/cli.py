@@ -20,6 +20,7 @@ from .console import PROG, log, one_line
 from .errors import DFlashError
 from .pair import Pair, load_pair
 from .stats import generation_stats
+from .verify_policy import POLICIES
 
 # Subcommands whose options and behaviour live in other modules, imported only when chosen.
 EXTERNAL = {
@@ -61,10 +62,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
                    help=f"most tokens to generate (default {max_tokens})")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per draft block (default: the drafter's)")
-    g.add_argument("--min-confidence", type=float, default=None,
-                   help="verify drafted tokens only while the drafter's running confidence "
-                        "stays above this (default: 0.1 on the CPU, 0 = all on GPUs); "
-                        "never changes the output")
+    add_policy_args(g)
     g.add_argument("--temperature", "--temp", type=float, default=0.0,
                    help="0 = greedy, exactly the target's output (default 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
@@ -121,10 +119,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="uvicorn log level (default info)")
 
 
+def add_policy_args(g) -> None:
+    g.add_argument("--policy", choices=POLICIES, default=None,
+                   help="how many drafted tokens each cycle verifies: auto (default: from this "
+                        "machine's measured costs; plain steps while speculation loses), fixed "
+                        "(the whole block) or confidence (see --min-confidence); never changes "
+                        "the output")
+    g.add_argument("--min-confidence", type=float, default=None,
+                   help="with the confidence policy (implied when given): verify drafted tokens "
+                        "only while the drafter's running confidence stays at or above this")
+
+
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temperature,
-        min_confidence=args.min_confidence, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        min_confidence=args.min_confidence, policy=args.policy, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         repetition_context_size=args.repetition_context_size,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -389,7 +398,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
         template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log,
-        min_confidence=args.min_confidence)
+        min_confidence=args.min_confidence, policy=args.policy)
     print(format_summary(result), flush=True)
     return 0
 
@@ -466,9 +475,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--block-size", default=None,
                    help="block size or comma-separated list to sweep, e.g. 4,8,16 "
                         "(default: the drafter's)")
-    p.add_argument("--min-confidence", type=float, default=None,
-                   help="shorter verify passes (see `dflash generate --help`; default: the "
-                        "backend's, 0.1 on the CPU, 0 on GPUs)")
+    add_policy_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")

@@ -24,6 +24,8 @@ def generation_stats(r: DFlashResponse, rounded: bool = True) -> dict:
         "mean_tau": rnd(r.mean_tau, 4),
         "cycles": r.cycles,
         "verified_tokens": r.verified_tokens,
+        "plain_steps": r.plain_steps,
+        "rows_per_pass": rnd(r.rows_per_pass, 3),
         "reused_prompt_tokens": r.reused_prompt_tokens,
         "acceptance_by_position": [rnd(a, 4) for a in r.acceptance_by_position],
         "prompt_tps": rnd(r.prompt_tps, 2),

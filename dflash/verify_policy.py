@@ -24,12 +24,16 @@ tokens drawn in this cycle, so greedy output is the target's and rejection sampl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
 import numpy as np
 
-from .cost_model import CostModel
 from .errors import GenerationConfigError
+
+if TYPE_CHECKING:  # types only: the CLI reads POLICIES without loading MLX
+    import mlx.core as mx
+
+    from .cost_model import CostModel
 
 POLICIES = ("auto", "confidence", "fixed")
 BINS = 10
@@ -40,6 +44,8 @@ MAX_BACKOFF = 64
 
 def row_confidence(draft_logits: mx.array, columns: mx.array | None) -> mx.array:
     """Log of the drafter's top probability per block row (``columns``: the draft vocabulary)."""
+    import mlx.core as mx
+
     scored = draft_logits if columns is None else draft_logits[:, columns]
     return (mx.max(scored, axis=-1) - mx.logsumexp(scored, axis=-1)).astype(mx.float32)
 

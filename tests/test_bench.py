@@ -67,7 +67,8 @@ def test_acceptance_is_measured(pair, loaded_pair):
     reference = ids + generate(model, draft, tokenizer, ids, max_tokens=40).tokens
     oracle = tiny_models.OracleDrafter(draft, reference, plant=lambda cycle, j: j >= 2)
     result = bench.run_bench(pair=Pair(model, tokenizer, oracle, pair.model_path, "oracle"),
-                             prompts=PROMPTS[:1], block_sizes=[8], max_tokens=25, warmup=False)
+                             prompts=PROMPTS[:1], block_sizes=[8], max_tokens=25, warmup=False,
+                             policy="fixed")
     o = result["runs"][0]["overall"]
     assert result["identical"] is True
     assert o["acceptance_by_position"][:2] == [1.0, 1.0]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..errors import APIError, GenerationConfigError
 from ..prompts import encode_prompt, encode_text
 from ..sampling import SamplingConfig
+from ..verify_policy import POLICIES
 from .reasoning import prompt_opens_reasoning
 
 ENDPOINTS = ("chat", "completions")
@@ -54,6 +55,7 @@ class GenerationSettings:
     stop: list[str] | None = None
     block_size: int | None = None
     min_confidence: float | None = None
+    policy: str | None = None
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of ``dflash.speculative.stream_generate``."""
@@ -65,7 +67,7 @@ class GenerationSettings:
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             seed=s.seed, logit_bias=s.logit_bias, proposal=s.proposal,
             max_tokens=self.max_tokens, stop=self.stop, block_size=self.block_size,
-            min_confidence=self.min_confidence)
+            min_confidence=self.min_confidence, policy=self.policy)
 
 
 @dataclass
@@ -196,8 +198,13 @@ def generation_settings(body: dict, served: ServedModel, n_prompt: int,
         if value > hi:
             raise APIError(400, f"{name}={value!r}: must be <= {hi:g}", param=name,
                            code="invalid_value")
+    policy = body.get("policy")
+    if policy is not None and policy not in POLICIES:
+        raise APIError(400, f"policy={policy!r}: must be one of {', '.join(POLICIES)}",
+                       param="policy", code="invalid_value")
     return GenerationSettings(sampling, max_tokens, stop=stop, block_size=block_size,
-                              min_confidence=_number(body, "min_confidence", None))
+                              min_confidence=_number(body, "min_confidence", None),
+                              policy=policy)
 
 
 def _content_text(content, index: int) -> str:
