@@ -17,16 +17,10 @@ import dflash  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 from tiny_models import write_target
 
-from dflash.datagen import (
-    DataSetError,
-    add_datagen_args,
-    datagen,
-    done_ids,
-    load_samples,
-    run_datagen,
-)
-from dflash.errors import DFlashError
+from dflash.errors import DataSetError, DFlashError
 from dflash.prompts import PromptFileError, read_prompts
+from dflash.training.data import load_samples
+from dflash.training.datagen import add_datagen_args, datagen, done_ids, run_datagen
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Count to three.", "Say hello.",
              "What is the capital of France?", "Write a haiku about rain."]
@@ -80,7 +74,7 @@ def test_datagen_writes_records_and_resumes(target, tmp_path, capsys):
     assert done_ids(out) == {"q0", "q1", "q2"}
     capsys.readouterr()
     datagen(str(target), prompts, out, max_tokens=6, batch_size=4, progress=False)
-    assert "3 already done, 3 to go" in capsys.readouterr().out
+    assert "3 already done, 3 to go" in capsys.readouterr().err
     rows = records(out)
     good = [r for r in rows if r is not None]
     assert sorted(r["id"] for r in good) == [f"q{i}" for i in range(6)]  # each id exactly once
@@ -90,7 +84,7 @@ def test_datagen_writes_records_and_resumes(target, tmp_path, capsys):
 
     capsys.readouterr()
     datagen(str(target), prompts, out, max_tokens=6, progress=False)  # nothing left to do
-    assert "6 already done, 0 to go" in capsys.readouterr().out
+    assert "6 already done, 0 to go" in capsys.readouterr().err
     assert len(records(out)) == len(rows)
 
 

@@ -20,56 +20,28 @@ import os
 import time
 from pathlib import Path
 
-from .errors import DataSetError, DFlashError, PromptFileError
-from .prompts import encode_prompt, read_prompts
-from .workers import run_per_core
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+from tqdm import tqdm
 
-RECORD_FIELDS = ("id", "prompt_ids", "response_ids")
-
-
-def _records(path: Path):
-    """``(lineno, record | None)`` for each non-blank line; ``None`` for a line cut short."""
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError:
-                yield lineno, None
+from ..console import log
+from ..default_pair import default_target_path
+from ..errors import DataSetError, DFlashError
+from ..model_mlx import load
+from ..prompts import encode_prompt, read_prompts
+from ..workers import run_per_core
+from .data import read_records
 
 
 def done_ids(out: Path) -> set[str]:
+    """Ids of the prompts whose responses a data folder already holds (skipped on a restart)."""
     done = set()
     for path in Path(out).glob("gen-*.jsonl"):
-        for _, rec in _records(path):
+        for _, rec in read_records(path):
             if isinstance(rec, dict) and "id" in rec and "response_ids" in rec:
                 done.add(str(rec["id"]))
     return done
-
-
-def load_samples(data: str | Path) -> list[dict]:
-    """All generated samples in a data folder (``gen-*.jsonl``) or one JSONL file, sorted by id.
-
-    Lines cut short by an interrupted run are skipped; a record without ``prompt_ids`` /
-    ``response_ids`` raises :class:`DataSetError` naming its file and line.
-    """
-    data = Path(data)
-    if not data.exists():
-        raise DataSetError(f"data set {data}: no such file or folder")
-    files = sorted(data.glob("gen-*.jsonl")) if data.is_dir() else [data]
-    samples = {}
-    for path in files:
-        for lineno, rec in _records(path):
-            if rec is None:
-                continue
-            if not isinstance(rec, dict) or any(k not in rec for k in RECORD_FIELDS):
-                raise DataSetError(f"{path}:{lineno}: expected a record with fields "
-                                   f"{', '.join(RECORD_FIELDS)} (written by `dflash datagen`)")
-            samples[str(rec["id"])] = rec
-    if not samples:
-        raise DataSetError(f"data set {data} holds no samples (run `dflash datagen` first)")
-    return [samples[k] for k in sorted(samples)]
 
 
 def _open_append(path: Path):
@@ -86,13 +58,6 @@ def _open_append(path: Path):
 def _worker(target: str, items: list[dict], out: Path, worker: int, max_tokens: int,
             batch_size: int, temperature: float, seed: int, position: int,
             chat_template: bool = True, system: str | None = None, progress: bool = True) -> None:
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.sample_utils import make_sampler
-    from tqdm import tqdm
-
-    from .model_mlx import load
-
     model, tokenizer = load(target)
     mx.random.seed(seed + worker)
     eos = sorted(tokenizer.eos_token_ids)
@@ -133,8 +98,6 @@ def datagen(target: str | None, prompts: str | Path, out: str | Path, max_tokens
             system: str | None = None, progress: bool = True) -> Path:
     """Generate responses for every prompt of ``prompts`` not yet in ``out``; returns ``out``."""
     if target is None:
-        from .default_pair import default_target_path
-
         target = str(default_target_path())
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens {max_tokens}: must be >= 1")
@@ -147,7 +110,7 @@ def datagen(target: str | None, prompts: str | Path, out: str | Path, max_tokens
     out.mkdir(parents=True, exist_ok=True)
     finished = done_ids(out)
     todo = [it for it in items if it["id"] not in finished]
-    print(f"datagen: {len(items)} prompts, {len(items) - len(todo)} already done, "
+    log(f"datagen: {len(items)} prompts, {len(items) - len(todo)} already done, "
           f"{len(todo)} to go -> {out}")
     if not todo:
         return out
@@ -160,7 +123,7 @@ def datagen(target: str | None, prompts: str | Path, out: str | Path, max_tokens
         run_per_core(_worker, [(str(target), todo[w::workers], out, w, max_tokens, batch_size,
                                 temperature, seed, w) for w in range(workers)],
                      "datagen", opts)
-    print(f"datagen: finished in {time.time() - t0:.0f}s")
+    log(f"datagen: finished in {time.time() - t0:.0f}s")
     return out
 
 
@@ -198,5 +161,4 @@ def run_datagen(args: argparse.Namespace) -> Path:
                    progress=getattr(args, "progress", True))
 
 
-__all__ = ["datagen", "done_ids", "load_samples", "add_datagen_args", "run_datagen",
-           "DataSetError", "PromptFileError"]
+__all__ = ["datagen", "done_ids", "add_datagen_args", "run_datagen"]
