@@ -26,11 +26,11 @@ from .verify_policy import POLICIES
 EXTERNAL = {
     "convert": ("dflash.convert", "add_convert_args", "run_convert",
                 "convert a DFlash drafter to MLX, optionally quantized"),
-    "datagen": ("dflash.datagen", "add_datagen_args", "run_datagen",
+    "datagen": ("dflash.training.datagen", "add_datagen_args", "run_datagen",
                 "regenerate training responses with the target model"),
     "magpie": ("dflash.training.magpie", "add_magpie_args", "run_magpie",
                "write chat prompts with the target itself (Magpie)"),
-    "train": ("dflash.train", "add_train_args", "run_train",
+    "train": ("dflash.training.commands", "add_train_args", "run_train",
               "train a DFlash drafter for a target model"),
 }
 

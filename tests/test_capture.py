@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from tiny_models import write_target
 
-from dflash.datagen import datagen, load_samples
 from dflash.errors import DataSetError
 from dflash.model_mlx import load
 from dflash.target import forward, make_cache, target_parts
 from dflash.training.capture import RolloutEngine
+from dflash.training.data import load_samples
+from dflash.training.datagen import datagen
 
 TAPS = [0, 2]
 
@@ -82,7 +83,8 @@ def test_datagen_stores_features_training_reads_and_refuses_another_target(tmp_p
     manifest = json.loads((out / "dataset.json").read_text())
     assert manifest["taps"] == [0, 2] and manifest["topk"] == 4
 
-    from dflash.train import FeatureStore, Sample
+    from dflash.training.data import Sample
+    from dflash.training.features import FeatureStore
 
     model, _ = load(str(target))
     parts = target_parts(model)

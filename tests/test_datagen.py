@@ -17,16 +17,10 @@ import dflash  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 from tiny_models import write_target
 
-from dflash.datagen import (
-    DataSetError,
-    add_datagen_args,
-    datagen,
-    done_ids,
-    load_samples,
-    run_datagen,
-)
-from dflash.errors import DFlashError
+from dflash.errors import DataSetError, DFlashError
 from dflash.prompts import PromptFileError, read_prompts
+from dflash.training.data import load_samples
+from dflash.training.datagen import add_datagen_args, datagen, done_ids, run_datagen
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Count to three.", "Say hello.",
              "What is the capital of France?", "Write a haiku about rain."]

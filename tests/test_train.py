@@ -21,27 +21,23 @@ from tiny_models import write_target
 
 from dflash.acceptance import measure_tau
 from dflash.drafter import load_draft
-from dflash.errors import DFlashError, UnsupportedTargetError
-from dflash.train import (
-    TrainConfigError,
-    Trainer,
-    TrainingDataError,
-    TrainOptions,
-    add_train_args,
-    block_loss,
+from dflash.errors import DFlashError, TrainConfigError, TrainingDataError, UnsupportedTargetError
+from dflash.training.commands import add_train_args, run_train
+from dflash.training.data import read_samples
+from dflash.training.initialise import init_from_target
+from dflash.training.loss import block_loss, draft_hidden
+from dflash.training.options import TrainOptions
+from dflash.training.recipe import (
     block_visibility,
     build_blocks,
     default_gamma,
     default_taps,
-    draft_hidden,
-    init_from_target,
     loss_weights,
     pick_mask_token,
-    read_samples,
-    run_train,
     sample_anchors,
     training_visibility,
 )
+from dflash.training.trainer import Trainer
 
 CYCLE = 24  # the pattern target walks a fixed cycle of this many token ids
 

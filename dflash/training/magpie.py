@@ -143,7 +143,7 @@ def write_user_turns(target: str, out: str | Path, n: int, *, seed: int = 0,
         dedup.seen(row["messages"][-1]["content"])
     histories: list[list[dict]] = [[]]
     if followups_of is not None:
-        from ..datagen import load_samples
+        from .data import load_samples
 
         histories = []
         for rec in load_samples(followups_of):

@@ -25,58 +25,30 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from .console import log
-from .errors import DataSetError, DFlashError, PromptFileError
-from .prompts import encode_prompt, read_prompts
-from .workers import run_per_core
-
-RECORD_FIELDS = ("id", "prompt_ids", "response_ids")
-
-
-def _records(path: Path):
-    """``(lineno, record | None)`` for each non-blank line; ``None`` for a line cut short."""
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError:
-                yield lineno, None
+from ..console import log
+from ..default_pair import default_target_path
+from ..errors import DataSetError, DFlashError
+from ..model_mlx import load
+from ..prompts import encode_prompt, read_prompts
+from ..target import target_parts
+from ..workers import run_per_core
+from .capture import RolloutEngine
+from .data import Sample, read_records
+from .dataset import FORMAT, check_manifest, save_features, target_fingerprint
+from .features import FeatureStore
+from .recipe import parse_taps
 
 
 def done_ids(out: Path) -> set[str]:
+    """Ids of the prompts whose responses a data folder already holds (skipped on a restart)."""
     done = set()
     for path in Path(out).glob("gen-*.jsonl"):
-        for _, rec in _records(path):
+        for _, rec in read_records(path):
             if isinstance(rec, dict) and "id" in rec and "response_ids" in rec:
                 done.add(str(rec["id"]))
     return done
-
-
-def load_samples(data: str | Path) -> list[dict]:
-    """All generated samples in a data folder (``gen-*.jsonl``) or one JSONL file, sorted by id.
-
-    Lines cut short by an interrupted run are skipped; a record without ``prompt_ids`` /
-    ``response_ids`` raises :class:`DataSetError` naming its file and line.
-    """
-    data = Path(data)
-    if not data.exists():
-        raise DataSetError(f"data set {data}: no such file or folder")
-    files = sorted(data.glob("gen-*.jsonl")) if data.is_dir() else [data]
-    samples = {}
-    for path in files:
-        for lineno, rec in _records(path):
-            if rec is None:
-                continue
-            if not isinstance(rec, dict) or any(k not in rec for k in RECORD_FIELDS):
-                raise DataSetError(f"{path}:{lineno}: expected a record with fields "
-                                   f"{', '.join(RECORD_FIELDS)} (written by `dflash datagen`)")
-            samples[str(rec["id"])] = rec
-    if not samples:
-        raise DataSetError(f"data set {data} holds no samples (run `dflash datagen` first)")
-    return [samples[k] for k in sorted(samples)]
 
 
 def _open_append(path: Path):
@@ -94,14 +66,6 @@ def _worker(target: str, items: list[dict], out: Path, shard: str, max_tokens: i
             batch_size: int, temperature: float, seed: int, taps: list[int] | None, topk: int,
             chat_template: bool = True, system: str | None = None, progress: bool = True) -> None:
     """Generate ``items`` in one continuous batch; write features (if ``taps``) then records."""
-    from tqdm import tqdm
-
-    from .model_mlx import load
-    from .target import target_parts
-    from .train import FeatureStore, Sample
-    from .training.capture import RolloutEngine
-    from .training.dataset import save_features
-
     model, tokenizer = load(target)
     parts = target_parts(model)
     prompts = {it["id"]: encode_prompt(tokenizer, it, chat_template=chat_template, system=system)
@@ -118,7 +82,7 @@ def _worker(target: str, items: list[dict], out: Path, shard: str, max_tokens: i
         for r in engine.run(prompts.items()):
             if store is not None:  # features first: a record line always has its features
                 ids = np.asarray(r.prompt_ids + r.response_ids, np.int32)
-                save_features(store._file(Sample(r.id, ids, len(r.prompt_ids))), r)
+                save_features(store.path(Sample(r.id, ids, len(r.prompt_ids))), r)
             record = {"id": r.id, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
                       "finish_reason": r.finish_reason}
             if items_by_id[r.id].get("domain"):
@@ -146,14 +110,7 @@ def datagen(target: str | None, prompts: str | Path, out: str | Path, max_tokens
     With ``features`` (default) each record's tap features and top-k come from the passes that
     generated it, stored under ``out/features`` for training.
     """
-    from .model_mlx import load
-    from .target import target_parts
-    from .train import parse_taps
-    from .training.dataset import FORMAT, check_manifest, target_fingerprint
-
     if target is None:
-        from .default_pair import default_target_path
-
         target = str(default_target_path())
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens {max_tokens}: must be >= 1")
@@ -243,5 +200,4 @@ def run_datagen(args: argparse.Namespace) -> Path:
                    topk=getattr(args, "topk", 16), domain=getattr(args, "domain", None))
 
 
-__all__ = ["datagen", "done_ids", "load_samples", "add_datagen_args", "run_datagen",
-           "DataSetError", "PromptFileError"]
+__all__ = ["datagen", "done_ids", "add_datagen_args", "run_datagen"]

@@ -1,0 +1,130 @@
+"""Target features: the tapped layer outputs a drafter conditions on, and the teacher's top-k.
+
+One teacher-forced target pass per sample yields both; they are the expensive part of a training
+step, so they can be cached on disk (float16 / int32 per sample, computed once, reused every
+epoch) and filled beforehand by one single-threaded process per core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from ..model_mlx import load
+from ..target import forward, make_cache, target_parts
+from ..workers import run_per_core
+from .data import Sample, read_samples
+
+
+class FeatureStore:
+    """Target features (concatenated tap outputs) and the target's top-k next-token distribution.
+
+    ``feats[p]`` are the tap outputs for the token at position ``p``; ``top_ids[p]`` / ``top_logp[p]``
+    the target's distribution of the token at ``p + 1`` (teacher-forced), over the full head so that
+    one cache serves every run. Stored per sample under ``cache_dir`` when given, else computed on
+    demand.
+    """
+
+    def __init__(self, parts, taps: list[int], topk: int, cache_dir: Path | None):
+        self.parts, self.taps, self.topk = parts, list(taps), int(topk)
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.compute_time = 0.0
+        self.tokens_computed = 0
+
+    @staticmethod
+    def signature(taps, topk) -> str:
+        """The cache sub-folder of one tap set and top-k: other settings never share files."""
+        return "taps-" + "-".join(map(str, taps)) + f"_top{topk}"
+
+    def path(self, sample: Sample) -> Path:
+        """Where the features of ``sample`` are stored (a hash of its id and tokens)."""
+        h = hashlib.sha1(sample.id.encode() + b"|" + np.asarray(sample.ids, np.int32).tobytes())
+        key = h.hexdigest()[:24]
+        return self.cache_dir / key[:2] / f"{key}.npz"
+
+    def has(self, sample: Sample) -> bool:
+        return self.cache_dir is not None and self.path(sample).is_file()
+
+    def compute(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        logits, feats = forward(self.parts, mx.array(ids)[None], make_cache(self.parts), self.taps)
+        feats = feats[0].astype(mx.float16)
+        res = {}
+        if self.topk:
+            logits = logits[0].astype(mx.float32)
+            lse = mx.logsumexp(logits, -1, keepdims=True)
+            mx.eval(feats, logits, lse)
+            lg = np.array(logits)
+            k = min(self.topk, lg.shape[-1])
+            top = np.argpartition(-lg, k - 1, axis=-1)[:, :k]
+            logp = np.take_along_axis(lg, top, -1) - np.array(lse)
+            res["top_ids"] = top.astype(np.int32)
+            res["top_logp"] = logp.astype(np.float16)
+        else:
+            mx.eval(feats)
+        res["feats"] = np.array(feats)
+        if not np.isfinite(res["feats"]).all():
+            # float16 overflow of a huge activation: keep the values, clipped (rare)
+            res["feats"] = np.nan_to_num(res["feats"], nan=0.0, posinf=65504.0, neginf=-65504.0)
+        self.tokens_computed += len(ids)
+        self.compute_time += time.perf_counter() - t0
+        return res
+
+    def get(self, sample: Sample) -> dict[str, np.ndarray]:
+        if self.cache_dir is None:
+            return self.compute(sample.ids)
+        path = self.path(sample)
+        if path.is_file():
+            try:
+                with np.load(path) as z:
+                    return {k: z[k] for k in z.files}
+            except (EOFError, OSError, ValueError, zipfile.BadZipFile):
+                pass  # a file cut short (written before writes were atomic, or a full disk): recompute
+        res = self.compute(sample.ids)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.stem + f".tmp{os.getpid()}.npz")
+        np.savez(tmp, **res)
+        os.replace(tmp, path)
+        return res
+
+
+def _feature_worker(target: str, data: str, taps: list[int], topk: int, cache_dir: str,
+                    max_len: int, skip_truncated: bool, worker: int, workers: int,
+                    progress: bool) -> None:
+    model, _ = load(target)
+    parts = target_parts(model)
+    store = FeatureStore(parts, taps, topk, Path(cache_dir))
+    samples = read_samples(data, max_len, skip_truncated, parts.vocab_size)
+    todo = [s for s in samples[worker::workers] if not store.has(s)]
+    bar = tqdm(todo, desc=f"features[{worker}]", position=worker, disable=not progress,
+               unit="seq", mininterval=5.0)
+    for s in bar:
+        store.get(s)
+        bar.set_postfix(tok_s=f"{store.tokens_computed / max(store.compute_time, 1e-9):.0f}")
+    bar.close()
+
+
+def precompute_features(target: str, data: str, taps: list[int], topk: int, cache_dir: Path,
+                        max_len: int = 1024, skip_truncated: bool = False, workers: int = 1,
+                        progress: bool = True) -> Path:
+    """Fill the feature cache for every sample of ``data`` (one process per worker).
+
+    One single-threaded process per core beats one process with several BLAS threads here.
+    """
+    cache_dir = Path(cache_dir)
+    args = (str(target), str(data), list(taps), int(topk), str(cache_dir), max_len, skip_truncated)
+    if workers <= 1:
+        _feature_worker(*args, 0, 1, progress)
+        return cache_dir
+    run_per_core(_feature_worker, [(*args, w, workers, progress) for w in range(workers)],
+                 "feature")
+    return cache_dir

@@ -1,0 +1,152 @@
+"""The options of a training run, in one dataclass that also defines the ``dflash train`` flags.
+
+Each field carries its CLI metadata (help text, and the flag or choices where they differ from the
+field's name), so that a default is written once: :func:`add_arguments` builds the argparse
+arguments, their types and defaults from the fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import TrainConfigError
+
+_REQUIRED = dataclasses.MISSING
+
+
+def option(default: Any = _REQUIRED, help: str | None = None, *, flag: str | None = None,
+           choices: tuple | None = None, required: bool = False) -> Any:
+    """A field of :class:`TrainOptions` with its ``dflash train`` flag.
+
+    The flag is ``--field-name`` unless ``flag`` says otherwise; a boolean defaulting to true gets a
+    ``--no-field-name`` switch, one defaulting to false a ``--field-name`` switch. A field without a
+    default is required from Python; ``required`` makes the flag required on the command line too.
+    """
+    meta = {"help": help, "flag": flag, "choices": choices, "required": required}
+    return field(default=default, metadata={"cli": meta})
+
+
+@dataclass
+class TrainOptions:
+    target: str = option(help="mlx-lm target folder (default: the built-in SmolLM2 target)")
+    data: str = option(help="folder written by `dflash datagen` (or a JSONL); several: A,B",
+                       required=True)
+    out: str = option(help="output drafter folder (Hugging Face DFlash)")
+    layers: int = option(1, "drafter layers (default 1)")
+    block_size: int = option(16)
+    taps: str | None = option(
+        None, "target layer ids to condition on, e.g. 1,8,14,20,27 (default: 5 spread)")
+    mask_token_id: int | None = option(
+        None, "mask id (default: a spare special token of the target vocabulary)")
+    steps: int = option(2000)
+    batch_seqs: int = option(4, "sequences per step")
+    anchors: int = option(32, "anchors (blocks) per sequence")
+    lr: float = option(6e-4)
+    warmup: float = option(0.04, "warm-up fraction of --steps")
+    min_lr_ratio: float = option(0.0)
+    weight_decay: float = option(0.01)
+    grad_clip: float = option(1.0)
+    gamma: float | None = option(None, "loss decay along the block (default 7 for block 16)")
+    soft_weight: float = option(
+        0.5, "weight of the soft-target term (target's own distribution), 0..1")
+    soft_topk: int = option(16, "top-k of the target distribution kept for soft targets (0: none)")
+    init: str = option(
+        "none", "initialise drafter layers from target layers: "
+        "none|first|last|spread|aligned|ids (aligned: the layers after the "
+        "deepest tap, with fc selecting that tap)")
+    vocab: str = option(
+        "data", "training-loss vocabulary: ids seen in the data (fast) or the full head",
+        choices=("data", "full"))
+    export_vocab: bool = option(
+        True, "with --vocab data, do not record the training vocabulary as "
+        "dflash_config.draft_vocab_ids (the engine then drafts from the full head)")
+    negatives: int = option(
+        1024, "random ids from outside the training vocabulary joining each step's "
+        "softmax (the engine drafts with the full head)")
+    mine_every: int = option(
+        10, "every N steps, add ids that win the full head on training rows to the "
+        "training vocabulary (0: never)")
+    feature_cache: str = option(
+        "auto", "folder for cached target features, `auto` (<out>/train/features) or none")
+    feature_workers: int = option(
+        0, "processes that fill the feature cache before training (0: compute lazily)")
+    only_cached: bool = option(
+        False, "train only on samples whose features are already cached (a separate "
+        "--features-only job fills the cache as datagen writes new samples)")
+    max_len: int = option(1024, "truncate sequences to this length")
+    skip_truncated: bool = option(False, "drop responses that hit datagen's length cap")
+    refresh_data: bool = option(False, "pick up newly generated samples at each epoch boundary")
+    val_percent: float = option(2.0)
+    val_n: int = option(16)
+    checkpoint_every: int = option(100)
+    keep_checkpoints: int = option(2)
+    eval_every: int = option(
+        0, "steps between evaluations (validation loss, and τ with --eval-prompts)")
+    eval_prompts: str | None = option(None, "held-out prompts JSONL for τ")
+    eval_n: int = option(4)
+    eval_max_tokens: int = option(128)
+    eval_block_sizes: str = option("16")
+    seed: int = option(0)
+    max_minutes: float | None = option(None, "stop (with a checkpoint) after this much wall time")
+    stop_after: int | None = option(
+        None, "stop (with a checkpoint) after this many steps of this invocation")
+    resume: bool = option(False, "continue from the last checkpoint")
+    force: bool = option(False, "overwrite an existing output folder")
+    checkpoint_dir: str | None = option(None, "default: <out>/train")
+    progress: bool = option(True)
+
+    def check(self) -> None:
+        """Raise :class:`TrainConfigError` for a setting outside its valid range."""
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise TrainConfigError(f"--block-size {self.block_size}: must be an integer >= 2")
+        if self.layers < 1:
+            raise TrainConfigError(f"--layers {self.layers}: must be >= 1")
+        if self.steps < 1 or self.batch_seqs < 1 or self.anchors < 1:
+            raise TrainConfigError("--steps, --batch-seqs and --anchors must be >= 1")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise TrainConfigError(f"--soft-weight {self.soft_weight}: must be in [0, 1]")
+
+
+def _value_type(annotation) -> type:
+    """``int`` for ``int`` and ``int | None`` (the type argparse converts the flag's value to)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0]
+    return annotation
+
+
+def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One ``dflash train`` flag per :class:`TrainOptions` field (except ``skip``)."""
+    hints = typing.get_type_hints(TrainOptions)
+    for f in dataclasses.fields(TrainOptions):
+        meta = f.metadata.get("cli")
+        if meta is None or f.name in skip:
+            continue
+        kind = _value_type(hints[f.name])
+        dashed = f.name.replace("_", "-")
+        kw: dict[str, Any] = {"help": meta["help"]}
+        if kind is bool:
+            flag = meta["flag"] or (f"--no-{dashed}" if f.default else f"--{dashed}")
+            kw.update(dest=f.name, action="store_false" if f.default else "store_true")
+        else:
+            flag = meta["flag"] or f"--{dashed}"
+            if kind is not str:
+                kw["type"] = kind
+            if meta["choices"]:
+                kw["choices"] = meta["choices"]
+            if meta["required"]:
+                kw["required"] = True
+            else:
+                kw["default"] = None if f.default is _REQUIRED else f.default
+        p.add_argument(flag, **kw)
+
+
+def from_args(args: argparse.Namespace) -> dict:
+    """The :class:`TrainOptions` fields an argparse namespace holds."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainOptions)
+            if hasattr(args, f.name)}

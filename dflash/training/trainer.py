@@ -1,0 +1,366 @@
+"""One training run, ``Trainer(opts).run()``, composed of the parts in this package.
+
+The trainer owns the loop (batches, optimizer steps, logging, when to evaluate and checkpoint);
+the data order (:class:`~dflash.training.data.DataOrder`), the training vocabulary
+(:class:`~dflash.training.vocab.TrainingVocab`), target features, checkpoints and evaluation live
+in their own modules. All state needed to resume is in checkpoints: a resumed run takes the same
+steps, on the same data, with the same numbers as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_map
+from tqdm import tqdm
+
+from ..console import log
+from ..drafter import DFlashConfig, DFlashDraftModel
+from ..errors import TrainConfigError, TrainingDataError
+from ..model_mlx import load
+from ..target import target_parts
+from . import checkpoints
+from .batches import Batch, make_batch
+from .data import DataOrder, Sample, read_samples, seen_ids
+from .evaluation import engine_tau, load_eval_prompts, validation_metrics
+from .features import FeatureStore, precompute_features
+from .initialise import (
+    align_context,
+    draft_config_dict,
+    export_draft,
+    head_matrix,
+    init_from_target,
+    init_layer_ids,
+    target_config,
+)
+from .loss import block_loss, block_stats
+from .options import TrainOptions
+from .recipe import default_gamma, loss_weights, parse_taps, pick_mask_token
+from .vocab import TrainingVocab, initial_vocab
+
+
+def _status(message: str) -> None:
+    """A status line on stderr that does not tear a progress bar drawn there."""
+    with tqdm.external_write_mode(file=sys.stderr):
+        log(message)
+
+
+class Trainer:
+    """One training run; ``Trainer(opts).run()``. All state needed to resume is in checkpoints."""
+
+    def __init__(self, opts: TrainOptions):
+        self.opts = o = opts
+        o.check()
+        self.out = Path(o.out)
+        self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
+        self.resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume, o.force,
+                                                      bool(o.checkpoint_dir))
+        saved = checkpoints.read_state(self.resume_from) if self.resume_from else None
+
+        # Target
+        self.model, self.tokenizer = load(o.target)
+        self.parts = target_parts(self.model)  # UnsupportedTargetError: layers cannot be tapped
+        self.tcfg = target_config(Path(o.target)) if Path(o.target).is_dir() else {}
+        samples = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
+
+        if saved:
+            self.cfg_dict = saved["draft_config"]
+            vocab_ids = np.asarray(saved["vocab_ids"], dtype=np.int64)
+        else:
+            taps = parse_taps(o.taps, self.parts.num_layers)
+            seen = seen_ids(samples)
+            mask_id = o.mask_token_id
+            if mask_id is None:
+                mask_id = pick_mask_token(self.tokenizer, self.parts.vocab_size, seen)
+            if not 0 <= mask_id < self.parts.vocab_size:
+                raise TrainConfigError(f"--mask-token-id {mask_id}: outside the target vocabulary")
+            self.cfg_dict = draft_config_dict(self.parts, self.tcfg, o.layers, o.block_size, taps,
+                                              mask_id)
+            vocab_ids = initial_vocab(o.vocab, seen, self.parts.vocab_size)
+        self.cfg = DFlashConfig.from_dict(self.cfg_dict)
+        self.taps = self.cfg.target_layer_ids
+        self.gamma = o.gamma or default_gamma(self.cfg.block_size)
+        self.row_w = loss_weights(self.cfg.block_size, self.gamma)[1:]
+
+        # Drafter
+        mx.random.seed(o.seed)
+        self.draft = DFlashDraftModel(self.cfg)
+        if not saved and o.init != "none":
+            ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
+                                 self.taps)
+            init_from_target(self.draft, self.parts, ids)
+            if o.init == "aligned":
+                align_context(self.draft, self.parts, self.taps, ids[0])
+        self.draft.train()
+
+        # Frozen target pieces
+        self.vocab = TrainingVocab(head_matrix(self.parts), self.parts.vocab_size, vocab_ids)
+        self.embed = self.parts.embed_tokens
+        self.parts.model.freeze()
+
+        # Features
+        cache_dir = None
+        if o.feature_cache not in ("none", "", None):
+            base = self.ckpt_dir / "features" if o.feature_cache == "auto" else Path(o.feature_cache)
+            cache_dir = base / FeatureStore.signature(self.taps, o.soft_topk)
+        self.features = FeatureStore(self.parts, self.taps, o.soft_topk, cache_dir)
+        self._precompute(samples)
+        if o.only_cached:
+            samples = self._cached(samples)
+
+        # Optimizer
+        warm = max(1, int(round(o.warmup * o.steps)))
+        sched = optim.join_schedules(
+            [optim.linear_schedule(o.lr * 1e-3, o.lr, warm),
+             optim.cosine_decay(o.lr, max(1, o.steps - warm), o.lr * o.min_lr_ratio)],
+            [warm])
+        self.optimizer = optim.AdamW(learning_rate=sched, weight_decay=o.weight_decay,
+                                     bias_correction=True)
+
+        # Data order / step
+        self.data = DataOrder(samples, o.data, o.seed, o.val_percent, o.val_n,
+                              self._reload if o.refresh_data else None)
+        self.step = 0
+        self.history: list[dict] = []
+        self.ema = None
+        if saved:
+            self._restore(saved)
+        else:
+            self.data.start()
+        self.data.check_resumable()
+        self.eval_prompts = None
+        if o.eval_prompts and o.eval_every:
+            self.eval_prompts = load_eval_prompts(o.eval_prompts, self.tokenizer, o.eval_n)
+        self._vg = None
+
+    # -- views of the parts ----------------------------------------------------------------
+    @property
+    def samples(self) -> list[Sample]:
+        return self.data.samples
+
+    @property
+    def epoch(self) -> int:
+        return self.data.epoch
+
+    @property
+    def cursor(self) -> int:
+        return self.data.cursor
+
+    @property
+    def order(self) -> list[str]:
+        return self.data.order
+
+    @property
+    def vocab_ids(self) -> np.ndarray:
+        return self.vocab.ids
+
+    @property
+    def head_w(self) -> mx.array:
+        return self.vocab.head_w
+
+    # -- data ------------------------------------------------------------------------------
+    def _reload(self) -> list[Sample]:
+        """Pick up samples datagen wrote since the run started (at an epoch boundary)."""
+        o = self.opts
+        new = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
+        if len(new) > len(self.samples):
+            _status(f"train: data grew {len(self.samples)} -> {len(new)} samples")
+        self._precompute(new)
+        if o.only_cached:
+            new = self._cached(new)
+        if o.vocab == "data":
+            self.vocab.add_seen(seen_ids(new))
+        return new
+
+    def _precompute(self, samples: list[Sample]) -> None:
+        """With ``--feature-workers N``: fill the cache for all samples with N processes first."""
+        o = self.opts
+        if not o.feature_workers or self.features.cache_dir is None:
+            return
+        missing = sum(not self.features.has(s) for s in samples)
+        if missing:
+            _status(f"train: computing target features of {missing} samples with "
+                    f"{o.feature_workers} processes")
+            precompute_features(o.target, o.data, self.taps, o.soft_topk, self.features.cache_dir,
+                                o.max_len, o.skip_truncated, o.feature_workers, o.progress)
+
+    def _cached(self, samples: list[Sample]) -> list[Sample]:
+        if self.features.cache_dir is None:
+            raise TrainConfigError("--only-cached needs a feature cache (--feature-cache)")
+        kept = [s for s in samples if self.features.has(s)]
+        if not kept:
+            raise TrainingDataError(f"data set {self.opts.data}: no sample has cached features in "
+                                    f"{self.features.cache_dir} yet (run --features-only first)")
+        return kept
+
+    def _next_samples(self) -> list[Sample]:
+        return self.data.next_samples(self.opts.batch_seqs)
+
+    # -- one step --------------------------------------------------------------------------
+    def make_batch(self, samples: list[Sample], rng: np.random.Generator,
+                   n_anchors: int | None = None) -> Batch:
+        o = self.opts
+        return make_batch(samples, rng, self.features, self.vocab, self.draft,
+                          n_anchors or o.anchors, self.row_w, o.soft_weight, o.negatives)
+
+    def train_step(self, batch: Batch) -> dict:
+        if self._vg is None:
+            def loss_fn(draft, head_w, batch):
+                return block_loss(draft, self.embed, head_w, batch, self.opts.soft_weight)
+
+            self._vg = nn.value_and_grad(self.draft, loss_fn)
+        (loss, hard, correct, hidden), grads = self._vg(self.draft, self.vocab.head_w, batch)
+        grads, gnorm = optim.clip_grad_norm(grads, self.opts.grad_clip)
+        self.optimizer.update(self.draft, grads)
+        mx.eval(self.draft.parameters(), self.optimizer.state, loss, hard, correct, gnorm)
+        stats = block_stats(np.array(correct), np.array(batch.labels))
+        stats.update(loss=float(loss), ce=float(hard), gnorm=float(gnorm))
+        o = self.opts
+        if o.vocab == "data" and o.mine_every and (self.step + 1) % o.mine_every == 0:
+            rng = np.random.default_rng([o.seed, self.step, 11])
+            self.vocab.mine(hidden, np.array(batch.labels) >= 0, rng)
+        return stats
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate_loss(self, samples: list[Sample]) -> dict:
+        """Loss/accuracy/τ-estimate on validation samples (fixed anchors, no update)."""
+        return validation_metrics(self.draft, self.embed, self.vocab, samples, self.make_batch,
+                                  self.opts.batch_seqs, self.opts.seed)
+
+    def evaluate_tau(self) -> dict:
+        """τ through the engine on the held-out prompts, at each ``--eval-block-sizes``."""
+        o = self.opts
+        return engine_tau(self.model, self.tokenizer, self.draft, self.eval_prompts,
+                          o.eval_block_sizes, o.eval_max_tokens, self._draft_vocab())
+
+    # -- checkpoints and export ------------------------------------------------------------
+    def _state(self) -> dict:
+        return {
+            "step": self.step, **self.data.state(), "vocab_ids": self.vocab.ids.tolist(),
+            "draft_config": self.cfg_dict, "options": asdict(self.opts),
+            "history": self.history[-200:], "ema": self.ema, "data_samples": len(self.samples),
+        }
+
+    def save_checkpoint(self) -> Path:
+        final = checkpoints.save_checkpoint(self.ckpt_dir, self.step, self.draft, self.optimizer,
+                                            self._state(), self.opts.keep_checkpoints)
+        self.export()
+        return final
+
+    def export(self, out: Path | None = None) -> Path:
+        meta = {"step": self.step, "samples": len(self.samples), "seed": self.opts.seed,
+                "soft_weight": self.opts.soft_weight, "init": self.opts.init,
+                "gamma": self.gamma}
+        if self.history:
+            last = {k: v for k, v in self.history[-1].items() if k.startswith(("tau_", "val_"))}
+            meta.update(last)
+        cfg = self.cfg_dict
+        vocab = self._draft_vocab()
+        if vocab is not None:
+            cfg = dict(cfg, dflash_config=dict(cfg["dflash_config"], draft_vocab_ids=vocab))
+        return export_draft(self.draft, cfg, out or self.out, meta)
+
+    def _draft_vocab(self) -> list[int] | None:
+        """With ``--vocab data`` (and not ``--no-export-vocab``): the ids the drafter may propose
+        at inference, i.e. its training vocabulary (``dflash_config.draft_vocab_ids``)."""
+        if self.opts.vocab != "data" or not self.opts.export_vocab:
+            return None
+        return sorted(int(i) for i in self.vocab.ids)
+
+    def _restore(self, saved: dict) -> None:
+        checkpoints.load_weights(self.resume_from, self.draft, self.optimizer)
+        self.step = saved["step"]
+        self.data.restore(saved)
+        self.history = saved.get("history", [])
+        self.ema = saved.get("ema")
+        log(f"train: resumed from {self.resume_from} (step {self.step}, epoch {self.epoch}, "
+            f"sample {self.cursor}/{len(self.order)})")
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> Path:
+        o = self.opts
+        t_start = time.time()
+        end_step = o.steps if o.stop_after is None else min(o.steps, self.step + o.stop_after)
+        bar = tqdm(total=o.steps, initial=self.step, desc="train", unit="step",
+                   disable=not o.progress, dynamic_ncols=True, mininterval=2.0)
+        val = self.data.validation()
+        rows = 0
+        t_rows = time.perf_counter()
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        while self.step < end_step:
+            rng = np.random.default_rng([o.seed, self.step, 3])
+            before = (self.data.state(), self.draft.parameters(),
+                      tree_map(lambda x: x, self.optimizer.state))
+            try:
+                batch = self.make_batch(self._next_samples(), rng)
+                st = self.train_step(batch)
+            except KeyboardInterrupt:
+                # The step did not happen: put weights, optimizer and data cursor back, save, stop.
+                position, params, opt_state = before
+                self.data.restore(position)
+                self.draft.update(params)
+                self.optimizer.state = opt_state
+                bar.close()
+                if self.step > 0:
+                    log(f"train: interrupted; checkpoint at step {self.step} "
+                        f"({self.save_checkpoint()}); continue with --resume")
+                raise
+            self.step += 1
+            rows += batch.n_rows
+            rows_s = rows / (time.perf_counter() - t_rows)
+            self.ema = st if self.ema is None else {k: 0.95 * self.ema[k] + 0.05 * st[k]
+                                                    for k in st}
+            lr = float(self.optimizer.learning_rate)
+            bar.set_postfix(loss=f"{self.ema['loss']:.3f}", acc1=f"{self.ema['acc1']:.2f}",
+                            tau=f"{self.ema['tau']:.2f}", lr=f"{lr:.1e}", rows_s=f"{rows_s:.0f}")
+            bar.update(1)
+            last = self.step >= end_step
+            record = None
+            if self.step % 10 == 0 or last:
+                record = {"step": self.step, "epoch": self.epoch, "lr": lr,
+                          "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
+                          **{k: round(v, 4) for k, v in self.ema.items()},
+                          "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids)}
+            if o.eval_every and (self.step % o.eval_every == 0 or last):
+                record = record or {"step": self.step}
+                record.update(self._evaluate(val))
+            if record:
+                self._record(record)
+            out_of_time = o.max_minutes is not None and (time.time() - t_start) > 60 * o.max_minutes
+            if self.step % o.checkpoint_every == 0 or last or out_of_time:
+                self.save_checkpoint()
+            if out_of_time:
+                _status(f"train: time budget reached at step {self.step}; resume with --resume")
+                break
+        bar.close()
+        if self.step >= o.steps:
+            self.export()
+        return self.out
+
+    def _evaluate(self, val: list[Sample]) -> dict:
+        """Validation metrics (and τ with ``--eval-prompts``), reported on stderr."""
+        res = {k: round(v, 4) for k, v in self.evaluate_loss(val).items()}
+        if self.eval_prompts:
+            res.update(self.evaluate_tau())
+        _status(f"[step {self.step}] " + " ".join(
+            f"{k}={v}" for k, v in res.items() if k.startswith(("val_", "tau_"))))
+        return res
+
+    def _record(self, record: dict) -> None:
+        """Keep a metrics record in the history and append it to ``metrics.jsonl``."""
+        self.history.append(record)
+        with (self.ckpt_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(**kwargs) -> Path:
+    """Programmatic entry: ``train(target=..., data=..., out=..., steps=..., ...)``."""
+    return Trainer(TrainOptions(**kwargs)).run()
