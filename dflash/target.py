@@ -21,6 +21,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from .errors import IncompatibleDraftError, UnsupportedTargetError
+from .tree import DraftTree
 
 
 @dataclass
@@ -254,3 +255,85 @@ def rollback(cache: list, trace: VerifyTrace, keep: int, verified: int) -> None:
                     f"target layer {i}: its rotating cache has wrapped and cannot be trimmed")
             c.trim(drop)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree verification (attention-only targets)
+
+_TREE_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "scale", "n_heads",
+                   "n_kv_heads")
+_TREE_BLOCK = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+
+
+def tree_supported(parts: TargetParts, cache: list) -> bool:
+    """Trees need every layer to be a plain pre-norm attention block over a ``KVCache``.
+
+    Recurrent layers (Qwen3.5's GatedDeltaNet) cannot isolate sibling branches with a mask: their
+    state advances in sequence order; hybrid targets verify chains.
+    """
+    return all(
+        all(hasattr(layer, a) for a in _TREE_BLOCK)
+        and all(hasattr(layer.self_attn, a) for a in _TREE_ATTENTION)
+        and type(c) is KVCache
+        for layer, c in zip(parts.layers, cache))
+
+
+def _tree_attention(attn: nn.Module, x: mx.array, positions: mx.array, mask: mx.array,
+                    cache: KVCache) -> mx.array:
+    """The attention module's own projections, norms and RoPE, at per-token ``positions``."""
+    _, n, _ = x.shape
+    q = attn.q_proj(x).reshape(1, n, attn.n_heads, -1)
+    k = attn.k_proj(x).reshape(1, n, attn.n_kv_heads, -1)
+    v = attn.v_proj(x).reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    # RoPE takes one offset per batch row: put the tokens on the batch axis for their positions.
+    q = attn.rope(q.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+    k = attn.rope(k.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+    keys, values = cache.update_and_fetch(k, v)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+
+
+def tree_forward(parts: TargetParts, tree: DraftTree, cache: list,
+                 tap_ids: list[int]) -> tuple[mx.array, mx.array]:
+    """Logits and taps ``(1, N, ...)`` for a draft tree ``[root, nodes...]`` after the context.
+
+    Node ``i`` sits at position ``P + depths[i]`` and sees the context and its own ancestors
+    (sliding-window layers: only context within the window). Every node is appended to the caches;
+    :func:`commit_tree_path` keeps the accepted path.
+    """
+    start = cache[0].offset
+    n = len(tree)
+    positions = mx.array([start + d for d in tree.depths])
+    tree_mask = mx.array(tree.ancestor_mask())
+    full = mx.concatenate([mx.ones((n, start), dtype=mx.bool_), tree_mask], axis=1)
+    window = parts.sliding_window
+    swa = None
+    if window is not None and any(getattr(layer, "use_sliding", False) for layer in parts.layers):
+        key_pos = mx.concatenate([mx.arange(start), positions])
+        swa = full & ((positions[:, None] - key_pos[None]) < window)
+    h = parts.embed(mx.array(tree.tokens)[None])
+    wanted = {i: None for i in tap_ids}
+    for i, (layer, c) in enumerate(zip(parts.layers, cache)):
+        mask = swa if getattr(layer, "use_sliding", False) else full
+        h = h + _tree_attention(layer.self_attn, layer.input_layernorm(h), positions, mask, c)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if i in wanted:
+            wanted[i] = h
+    logits = parts.head(parts.norm(h))
+    taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
+    return logits, taps
+
+
+def commit_tree_path(cache: list, start: int, keep: list[int], fed: int) -> None:
+    """After a tree pass of ``fed`` rows at ``start``: keep rows ``keep`` (root first, then the
+    accepted nodes in depth order) at ``start, start+1, ...`` and drop the rest. Each kept node was
+    rotated at ``start + depth`` = its new slot, so nothing is re-rotated."""
+    if keep != list(range(len(keep))):
+        idx = mx.array([start + i for i in keep])
+        for c in cache:
+            c.keys[..., start:start + len(keep), :] = c.keys[..., idx, :]
+            c.values[..., start:start + len(keep), :] = c.values[..., idx, :]
+    for c in cache:
+        c.trim(fed - len(keep))

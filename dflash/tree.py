@@ -1,0 +1,114 @@
+"""Draft trees: more accepted tokens from the same drafter pass, verified in one target pass.
+
+A block-diffusion drafter gives, in one pass, a distribution for every block row. A chain verifies
+only the top token of each row; a tree also verifies runner-up tokens where the drafter is unsure.
+Under the drafter's factorised distribution the expected accepted length of a tree is the sum of
+its nodes' path probabilities (DDTree, arXiv 2604.12989, Proposition 1), so the best tree of ``B``
+nodes is the ``B`` most probable prefixes, found best-first with a heap; the pop order is
+topological (a parent before its children), and the first ``b`` nodes of a ``B``-node tree are the
+best ``b``-node tree. Measured offline with the built-in drafter on held-out math: τ 2.1 as a chain
+(4, 8 or 16 rows alike), 2.4 with 8 nodes, 2.65 with 16, 2.9 with 32.
+
+Verification (:func:`dflash.target.tree_forward`) feeds ``[root, nodes...]`` with positions
+``P + depth`` and an ancestor-only mask, then walks: from the root, while the target's token at the
+current node is one of its children, move there. Greedy (argmax at each node) reproduces the
+target's greedy output; at T > 0 one token is sampled at every node with independent noise, its
+processors seeing the node's own path, and the walk is exact without the drafter's q (each emitted
+token is a draw from the target given the accepted prefix).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class DraftTree:
+    """Nodes in pop order (index 0 is the root, the anchor), each with its parent and depth."""
+
+    tokens: list[int]
+    parents: list[int]  # parent index of each node; -1 for the root
+    depths: list[int]  # 0 for the root
+    scores: list[float]  # log path probability under the drafter (0 for the root)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, n_nodes: int) -> DraftTree:
+        """The best tree with ``n_nodes`` nodes besides the root (pop order is prefix-closed)."""
+        k = 1 + n_nodes
+        return DraftTree(self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k])
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents[1:], 1))
+
+    def ancestor_mask(self) -> np.ndarray:
+        """``mask[i, j]``: node ``j`` is node ``i`` or one of its ancestors."""
+        n = len(self)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            mask[i, i] = True
+            if self.parents[i] >= 0:
+                mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def children(self) -> list[dict[int, int]]:
+        kids: list[dict[int, int]] = [{} for _ in range(len(self))]
+        for i in range(1, len(self)):
+            kids[self.parents[i]].setdefault(self.tokens[i], i)
+        return kids
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's first child down to ``node``."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def build_tree(log_probs: np.ndarray, budget: int, anchor: int,
+               columns: np.ndarray | None = None) -> DraftTree:
+    """The ``budget`` most probable prefixes under per-row log-probabilities ``(L, V)``.
+
+    ``columns`` maps column indices of ``log_probs`` to token ids (a restricted draft vocabulary).
+    Best-first: pop the best frontier entry, emit it, push its next sibling and its first child.
+    """
+    depth_rows, vocab = log_probs.shape
+    k = min(budget, vocab)
+    order = np.argsort(-log_probs, axis=1)[:, :k]
+    ranked = np.take_along_axis(log_probs, order, axis=1)
+    ids = order if columns is None else np.asarray(columns)[order]
+    tree = DraftTree([int(anchor)], [-1], [0], [0.0])
+    # Entries: (-score, tiebreak, depth index, rank, parent node, parent score)
+    heap = [(-float(ranked[0, 0]), 0, 0, 0, 0, 0.0)]
+    counter = 1
+    while heap and len(tree) <= budget:
+        neg, _, d, r, parent, parent_score = heapq.heappop(heap)
+        node = len(tree)
+        tree.tokens.append(int(ids[d, r]))
+        tree.parents.append(parent)
+        tree.depths.append(d + 1)
+        tree.scores.append(-neg)
+        if r + 1 < k:  # next sibling: same parent, next rank at this depth
+            heapq.heappush(heap, (-(parent_score + float(ranked[d, r + 1])), counter, d, r + 1,
+                                  parent, parent_score))
+            counter += 1
+        if d + 1 < depth_rows:  # first child: best token one row deeper
+            heapq.heappush(heap, (neg - float(ranked[d + 1, 0]), counter, d + 1, 0, node, -neg))
+            counter += 1
+    return tree
+
+
+def walk(tree: DraftTree, targets: list[int]) -> tuple[list[int], int]:
+    """Follow the target's token at each node (``targets[i]``, from node ``i``'s row) down the
+    tree: ``(accepted node indices from the root's first child, the token after them)``."""
+    kids = tree.children()
+    node, path = 0, []
+    while targets[node] in kids[node]:
+        node = kids[node][targets[node]]
+        path.append(node)
+    return path, targets[node]
