@@ -14,8 +14,19 @@ from .errors import GenerationConfigError
 from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig
-from .target import VerifyTrace, check_compatible, forward, make_cache, rollback, target_parts
-from .verify_policy import POLICIES, VerifyPolicy, row_confidence
+from .target import (
+    VerifyTrace,
+    check_compatible,
+    commit_tree_path,
+    forward,
+    make_cache,
+    rollback,
+    target_parts,
+    tree_forward,
+    tree_supported,
+)
+from .tree import walk
+from .verify_policy import POLICIES, Plan, VerifyPolicy, draft_candidates
 
 
 @dataclass
@@ -40,6 +51,7 @@ class DFlashResponse:
     finish_reason: str | None = None
     reused_prompt_tokens: int = 0
     plain_steps: int = 0  # target steps without drafting (the policy's choice)
+    tree_cycles: int = 0  # cycles that verified a draft tree
     rows_per_pass: float = 0.0  # target rows per pass, anchor included
     acceptance_by_position: list[float] = field(default_factory=list)
 
@@ -126,6 +138,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     min_confidence: float | None = None,
     policy: str | None = None,
+    tree_budget: int | None = None,
 ) -> Generator[DFlashResponse, None, None]:
     """Generate with DFlash speculative decoding, yielding one response per cycle.
 
@@ -137,7 +150,9 @@ def stream_generate(
     ``policy`` chooses how many drafted tokens each cycle verifies (:mod:`dflash.verify_policy`):
     ``"auto"`` (default) maximises expected committed tokens per second under this machine's
     measured cost model (:mod:`dflash.cost_model`) and takes plain target steps while speculation
-    loses; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to the first block row
+    loses, and verifies draft trees where they are worth more than chains (attention-only targets;
+    hybrid targets verify chains); ``"tree"`` verifies a best-first tree of ``tree_budget`` nodes
+    (default 16) every cycle; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to the first block row
     where the product of the drafter's top probabilities falls below ``min_confidence`` (giving
     ``min_confidence`` alone selects it). Outputs never depend on the policy.
     """
@@ -187,7 +202,7 @@ def stream_generate(
         prompt_ids=prompt_ids, block_size=block_size, max_tokens=max_tokens,
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
-        min_confidence=float(min_confidence), policy=policy)
+        min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget)
     return _generate(parts, draft, tokenizer, request, prompt_cache)
 
 
@@ -205,6 +220,7 @@ class DecodeRequest:
     progress: Callable[[int, int], None] | None = None
     min_confidence: float = 0.0
     policy: str = "auto"
+    tree_budget: int | None = None
 
 
 @dataclass
@@ -238,11 +254,13 @@ def _generate(parts, draft, tokenizer, request: DecodeRequest,
         cache, dcache, reused = make_cache(parts), draft.make_cache(), 0
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
-    cost = cost_model(parts, draft) if request.policy == "auto" else None
+    cost = cost_model(parts, draft) if request.policy in ("auto", "tree") else None
     state = DecodeState(cache, dcache, history=list(request.prompt_ids),
                         fed=list(request.prompt_ids),
                         policy=VerifyPolicy(request.policy, request.block_size, cost,
-                                            request.min_confidence),
+                                            request.min_confidence,
+                                            trees=tree_supported(parts, cache),
+                                            tree_budget=request.tree_budget),
                         accepted_at=[0] * (request.block_size - 1),
                         proposed_at=[0] * (request.block_size - 1))
     try:
@@ -272,25 +290,30 @@ class StepResult(NamedTuple):
     verified: int  # proposals sent to the target
     drafted_at: float  # perf_counter when drafting ended (the draft/verify time split)
     plain: bool  # the policy skipped drafting: a plain one-token target step
+    depths: int | None = None  # a tree's depth (a chain's is ``verified``)
 
 
 def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
                       draft_columns: mx.array | None) -> StepResult:
-    """Draft -> verify -> accept -> roll back (or one plain target step when the policy says
-    speculation loses)."""
+    """Draft -> verify (a chain, or a tree) -> accept -> roll back; or one plain target step when
+    the policy says speculation loses."""
     sampler, policy = request.sampler, state.policy
     anchor = state.history[-1]
-    proposals, q, log_conf = [], None, None
     plain = bs > 1 and not policy.speculate(len(state.fed))
+    proposals, q, plan, log_conf = [], None, None, None
     # Draft: one pass over [anchor, MASK ...] with the new target features as context.
     if bs > 1 and not plain:
         state.sync_drafter(draft)
         draft_logits = draft.block_logits(parts, anchor, bs, state.dcache)
-        if policy.name != "fixed":  # propose only the rows the target will see
-            log_conf = row_confidence(draft_logits, draft_columns).tolist()
-            log_conf = log_conf[:policy.rows(log_conf, bs)]
-            draft_logits = draft_logits[:len(log_conf)]
-        proposals, q = sampler.propose(draft_logits, state.history)
+        if policy.name == "fixed":
+            plan = Plan(bs - 1)
+        else:  # the cut reads the drafter's distributions, never the tokens drawn from them
+            log_probs, ids = draft_candidates(draft_logits, draft_columns, policy.candidates)
+            plan = policy.plan(log_probs, ids, anchor, bs)
+            log_conf = log_probs[:, 0]
+        if plan.tree is not None:
+            return _verify_tree(parts, draft, request, state, plan, log_conf, bs)
+        proposals, q = sampler.propose(draft_logits[:plan.rows], state.history)
         proposals = proposals.tolist()
     drafted = time.perf_counter()
 
@@ -303,10 +326,37 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
-    policy.record(None if plain else log_conf, verified - 1, a, bs)
+    policy.record(log_conf, None if plain else plan or Plan(0), a, None, bs)
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending_taps, [c.state for c in state.cache])
     return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, plain)
+
+
+def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: Plan,
+                 log_conf, bs: int) -> StepResult:
+    """One target pass over a draft tree; walk the target's tokens down it; keep that path."""
+    tree, sampler = plan.tree, request.sampler
+    drafted = time.perf_counter()
+    start = len(state.fed)
+    logits, taps = tree_forward(parts, tree, state.cache, draft.target_layer_ids)
+    logits = logits[0]
+    if sampler.has_history_processors:  # each node's processors see its own path
+        rows = [sampler.process(logits[i:i + 1],
+                                state.history + [tree.tokens[j] for j in tree.path_to(i)], None)
+                for i in range(len(tree))]
+        processed = mx.concatenate(rows)
+    else:
+        processed = sampler.process(logits, state.history, None)
+    # One independent draw per node (argmax when greedy): exact without the drafter's q.
+    path, bonus = walk(tree, sampler.sample(processed).tolist())
+    keep = [0] + path
+    commit_tree_path(state.cache, start, keep, len(tree))
+    state.fed += [tree.tokens[i] for i in keep]
+    state.commit_taps(taps[:, mx.array(keep)])
+    state.policy.record(log_conf, plan, len(path), path, bs)
+    mx.async_eval(state.pending_taps, [c.state for c in state.cache])
+    return StepResult([tree.tokens[i] for i in path] + [bonus], len(path), len(tree) - 1,
+                      drafted, False, depths=max(tree.depths))
 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
@@ -378,6 +428,7 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
         stats.accepted = a
         stats.cycle_tau = a + 1
         stats.plain_steps = state.policy.stats.plain_steps
+        stats.tree_cycles = state.policy.stats.tree_cycles
         stats.rows_per_pass = state.policy.stats.rows_per_pass
         if step.plain:
             continue
@@ -385,7 +436,7 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
         stats.verified_tokens += step.verified
         cycle_tokens += a + 1
         stats.mean_tau = cycle_tokens / stats.cycles
-        for j in range(step.verified):
+        for j in range(step.verified if step.depths is None else step.depths):
             state.proposed_at[j] += 1
             state.accepted_at[j] += j < a
 

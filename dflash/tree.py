@@ -33,6 +33,7 @@ class DraftTree:
     parents: list[int]  # parent index of each node; -1 for the root
     depths: list[int]  # 0 for the root
     scores: list[float]  # log path probability under the drafter (0 for the root)
+    ranks: list[int] | None = None  # each node's rank among its row's candidates (0: the best)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -40,7 +41,8 @@ class DraftTree:
     def prefix(self, n_nodes: int) -> DraftTree:
         """The best tree with ``n_nodes`` nodes besides the root (pop order is prefix-closed)."""
         k = 1 + n_nodes
-        return DraftTree(self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k])
+        return DraftTree(self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k],
+                         None if self.ranks is None else self.ranks[:k])
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents[1:], 1))
@@ -70,21 +72,16 @@ class DraftTree:
         return out[::-1]
 
 
-def build_tree(log_probs: np.ndarray, budget: int, anchor: int,
-               columns: np.ndarray | None = None) -> DraftTree:
-    """The ``budget`` most probable prefixes under per-row log-probabilities ``(L, V)``.
+def build_tree(log_probs: np.ndarray, ids: np.ndarray, budget: int, anchor: int) -> DraftTree:
+    """The ``budget`` most probable prefixes, from each block row's candidates sorted best first:
+    ``log_probs[d, r]`` is the log-probability of token ``ids[d, r]`` at depth ``d + 1``.
 
-    ``columns`` maps column indices of ``log_probs`` to token ids (a restricted draft vocabulary).
     Best-first: pop the best frontier entry, emit it, push its next sibling and its first child.
     """
-    depth_rows, vocab = log_probs.shape
-    k = min(budget, vocab)
-    order = np.argsort(-log_probs, axis=1)[:, :k]
-    ranked = np.take_along_axis(log_probs, order, axis=1)
-    ids = order if columns is None else np.asarray(columns)[order]
-    tree = DraftTree([int(anchor)], [-1], [0], [0.0])
+    depth_rows, width = log_probs.shape
+    tree = DraftTree([int(anchor)], [-1], [0], [0.0], [0])
     # Entries: (-score, tiebreak, depth index, rank, parent node, parent score)
-    heap = [(-float(ranked[0, 0]), 0, 0, 0, 0, 0.0)]
+    heap = [(-float(log_probs[0, 0]), 0, 0, 0, 0, 0.0)]
     counter = 1
     while heap and len(tree) <= budget:
         neg, _, d, r, parent, parent_score = heapq.heappop(heap)
@@ -93,14 +90,38 @@ def build_tree(log_probs: np.ndarray, budget: int, anchor: int,
         tree.parents.append(parent)
         tree.depths.append(d + 1)
         tree.scores.append(-neg)
-        if r + 1 < k:  # next sibling: same parent, next rank at this depth
-            heapq.heappush(heap, (-(parent_score + float(ranked[d, r + 1])), counter, d, r + 1,
+        tree.ranks.append(r)
+        if r + 1 < width:  # next sibling: same parent, next rank at this depth
+            heapq.heappush(heap, (-(parent_score + float(log_probs[d, r + 1])), counter, d, r + 1,
                                   parent, parent_score))
             counter += 1
         if d + 1 < depth_rows:  # first child: best token one row deeper
-            heapq.heappush(heap, (neg - float(ranked[d + 1, 0]), counter, d + 1, 0, node, -neg))
+            heapq.heappush(heap, (neg - float(log_probs[d + 1, 0]), counter, d + 1, 0, node, -neg))
             counter += 1
     return tree
+
+
+def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``k`` best ``(log-probabilities, column indices)``, sorted best first."""
+    k = min(k, log_probs.shape[1])
+    idx = np.argpartition(-log_probs, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(log_probs, idx, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(vals, order, axis=1), np.take_along_axis(idx, order, axis=1)
+
+
+def spine_length(tree: DraftTree, nodes: list[int] | None = None) -> int:
+    """How many of ``nodes`` (default: the whole tree in pop order; else an accepted path), from
+    the first, lie on the spine (every node and ancestor the best candidate of its row)."""
+    on_spine = [True] * len(tree)
+    for i in range(1, len(tree)):
+        on_spine[i] = tree.ranks[i] == 0 and on_spine[tree.parents[i]]
+    if nodes is None:
+        return sum(on_spine[1:])
+    n = 0
+    while n < len(nodes) and on_spine[nodes[n]]:
+        n += 1
+    return n
 
 
 def walk(tree: DraftTree, targets: list[int]) -> tuple[list[int], int]:

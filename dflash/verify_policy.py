@@ -11,7 +11,9 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   confidence bin, from what this generation has seen so far (a Beta prior centred on the raw
   confidence until data arrive). Expected committed tokens for ``k`` verified rows:
   ``E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i``.
-* **Chain length.** ``k* = argmax_k E(k) / (draft + verify(k + 1))``.
+* **Chain or tree.** A chain of ``k`` rows is worth ``E(k) / (draft + verify(k + 1))``; a draft tree
+  of ``B`` nodes (:mod:`dflash.tree`, attention-only targets) is worth ``(1 + sum of its nodes'
+  calibrated path probabilities) / (draft + verify(B + 1))``; the best of all is verified.
 * **No speculation when it loses.** When the committed tokens per second of recent speculative
   cycles fall below a plain one-token step's, the next cycles are plain target steps (no drafter
   block pass; the drafter's context is still fed the new features), for a stretch that doubles
@@ -29,34 +31,47 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import GenerationConfigError
+from .tree import DraftTree, build_tree, spine_length
 
 if TYPE_CHECKING:  # types only: the CLI reads POLICIES without loading MLX
     import mlx.core as mx
 
     from .cost_model import CostModel
 
-POLICIES = ("auto", "confidence", "fixed")
+POLICIES = ("auto", "confidence", "fixed", "tree")
 BINS = 10
 PRIOR = 2.0  # pseudo-observations of the raw confidence per bin
 EMA = 0.3  # weight of the newest cycle in the running speculative rate
 MAX_BACKOFF = 64
+TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+DEFAULT_TREE_BUDGET = 16
 
 
-def row_confidence(draft_logits: mx.array, columns: mx.array | None) -> mx.array:
-    """Log of the drafter's top probability per block row (``columns``: the draft vocabulary)."""
+def draft_candidates(draft_logits: mx.array, columns: mx.array | None,
+                     k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each block row's ``k`` best ``(log-probabilities, token ids)``, best first (``columns``:
+    the draft vocabulary, when the other logits are -inf)."""
     import mlx.core as mx
 
     scored = draft_logits if columns is None else draft_logits[:, columns]
-    return (mx.max(scored, axis=-1) - mx.logsumexp(scored, axis=-1)).astype(mx.float32)
+    k = min(k, scored.shape[-1])
+    scored = scored.astype(mx.float32)
+    idx = mx.argpartition(-scored, kth=k - 1, axis=-1)[:, :k] if k > 1 else \
+        mx.argmax(scored, axis=-1, keepdims=True)
+    lp = mx.take_along_axis(scored, idx, axis=-1) - mx.logsumexp(scored, axis=-1, keepdims=True)
+    ids = idx if columns is None else columns[idx]
+    lp, ids = np.array(lp), np.array(ids)
+    order = np.argsort(-lp, axis=1, kind="stable")
+    return np.take_along_axis(lp, order, axis=1), np.take_along_axis(ids, order, axis=1)
 
 
-def confident_rows(log_conf: list[float], threshold: float) -> int:
+def confident_rows(log_conf, threshold: float) -> int:
     """Rows up to the first where the running product of top probabilities drops below
     ``threshold`` (at least one): the ``confidence`` policy."""
     limit = np.log(threshold) if threshold > 0 else -np.inf
     running = np.cumsum(log_conf)
     below = np.nonzero(running < limit)[0]
-    return max(1, int(below[0]) if len(below) else len(log_conf))
+    return max(1, int(below[0]) if len(below) else len(running))
 
 
 @dataclass
@@ -83,8 +98,7 @@ class AcceptanceModel:
     def update(self, conf: np.ndarray, verified: int, accepted: int) -> None:
         """Rows ``0..accepted-1`` were accepted; row ``accepted`` (if verified) was rejected."""
         b = self._bins(conf)
-        seen = min(verified, accepted + 1)
-        for i in range(seen):
+        for i in range(min(verified, accepted + 1)):
             self.tried[i, b[i]] += 1
             self.accepted[i, b[i]] += i < accepted
 
@@ -94,11 +108,31 @@ def expected_tokens(p: np.ndarray) -> np.ndarray:
     return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(p))])
 
 
+def tree_node_probs(tree: DraftTree, scale: np.ndarray) -> np.ndarray:
+    """Calibrated probability that each node (pop order, root excluded) is accepted: the product
+    over its path of the drafter's probability times the depth's calibration ``scale``."""
+    p = np.ones(len(tree))
+    for i in range(1, len(tree)):
+        d = tree.depths[i] - 1
+        step = min(1.0, float(np.exp(tree.scores[i] - tree.scores[tree.parents[i]])) * scale[d])
+        p[i] = p[tree.parents[i]] * step
+    return p[1:]
+
+
+@dataclass
+class Plan:
+    """What to verify this cycle: the first ``rows`` proposals of the chain, or a tree."""
+
+    rows: int
+    tree: DraftTree | None = None
+
+
 @dataclass
 class PolicyStats:
     """What the policy chose over a generation (for bench and server statistics)."""
 
     speculative_cycles: int = 0
+    tree_cycles: int = 0
     plain_steps: int = 0
     rows_verified: int = 0  # target rows over all passes (anchor included)
 
@@ -107,29 +141,46 @@ class PolicyStats:
         passes = self.speculative_cycles + self.plain_steps
         return self.rows_verified / passes if passes else 0.0
 
-    def as_dict(self) -> dict:
-        passes = self.speculative_cycles + self.plain_steps
-        return {"speculative_cycles": self.speculative_cycles, "plain_steps": self.plain_steps,
-                "plain_share": round(self.plain_steps / passes, 4) if passes else 0.0,
-                "rows_per_pass": round(self.rows_per_pass, 3)}
-
 
 class VerifyPolicy:
-    """Per-cycle choices for one generation: speculate or not, and how many rows to verify."""
+    """Per-cycle choices for one generation: speculate or not, a chain of how many rows, or a tree.
+
+    ``trees``: whether the target can verify trees (attention-only targets).
+    """
 
     def __init__(self, name: str, block_size: int, cost: CostModel | None = None,
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, trees: bool = False,
+                 tree_budget: int | None = None):
         if name not in POLICIES:
             raise GenerationConfigError(f"policy={name!r}: must be one of {', '.join(POLICIES)}")
-        if name == "auto" and cost is None:
-            raise GenerationConfigError("policy='auto' needs a cost model")
+        if name in ("auto", "tree") and cost is None:
+            raise GenerationConfigError(f"policy={name!r} needs a cost model")
+        if name == "tree" and not trees:
+            raise GenerationConfigError(
+                "policy='tree': this target has recurrent layers (or caches) that cannot verify "
+                "a tree; it verifies chains (policy 'auto', 'fixed' or 'confidence')")
+        most = (max(cost.rows) - 1) if cost is not None else 0
+        if tree_budget is not None and not (isinstance(tree_budget, int) and
+                                            1 <= tree_budget <= most):
+            raise GenerationConfigError(
+                f"tree_budget={tree_budget!r}: must be an integer from 1 to {most} (the cost "
+                "model's measured range)")
         self.name, self.cost, self.min_confidence = name, cost, float(min_confidence)
+        self.tree_budget = tree_budget or min(DEFAULT_TREE_BUDGET, most)
+        self.budgets = [b for b in TREE_BUDGETS if b <= most] if trees and name == "auto" else []
         self.acceptance = AcceptanceModel(max(1, block_size - 1))
         self.context = 0
         self.rate: float | None = None  # committed tokens per ms of recent speculative cycles
         self.backoff = 0  # plain steps still to take
         self.losses = 0  # consecutive losing probes
         self.stats = PolicyStats()
+
+    @property
+    def candidates(self) -> int:
+        """How many candidates per block row :meth:`plan` wants (1 without trees)."""
+        if self.name == "tree":
+            return self.tree_budget
+        return max(self.budgets, default=1)
 
     # -- before drafting ----------------------------------------------------------------------
 
@@ -143,37 +194,61 @@ class VerifyPolicy:
 
     # -- after drafting -----------------------------------------------------------------------
 
-    def rows(self, log_conf: list[float], draft_rows: int) -> int:
-        """How many of the drafted proposals to verify (at least one)."""
+    def plan(self, log_probs: np.ndarray, ids: np.ndarray, anchor: int, draft_rows: int) -> Plan:
+        """What to verify, from each row's candidates ``(L, K)`` sorted best first."""
+        rows = len(log_probs)
         if self.name == "fixed":
-            return len(log_conf)
+            return Plan(rows)
         if self.name == "confidence":
-            return confident_rows(log_conf, self.min_confidence)
-        conf = np.exp(np.asarray(log_conf, dtype=np.float64))
-        gain = expected_tokens(self.acceptance.predict(conf))[1:]
-        cost = np.array([self.cost.draft(draft_rows) + self.cost.verify(k + 1, self.context)
-                         for k in range(1, len(conf) + 1)])
-        return int(np.argmax(gain / cost)) + 1
+            return Plan(confident_rows(log_probs[:, 0], self.min_confidence))
+        if self.name == "tree":
+            return Plan(0, build_tree(log_probs, ids, self.tree_budget, anchor))
+        conf = np.exp(log_probs[:, 0].astype(np.float64))
+        p = self.acceptance.predict(conf)
+        draft_ms = self.cost.draft(draft_rows)
+        chain = expected_tokens(p)[1:] / np.array(
+            [draft_ms + self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)])
+        best = Plan(int(np.argmax(chain)) + 1)
+        if not self.budgets or log_probs.shape[1] < 2:
+            return best
+        tree = build_tree(log_probs, ids, max(self.budgets), anchor)
+        gain = 1.0 + np.cumsum(tree_node_probs(tree, p / np.maximum(conf, 1e-9)))
+        budgets = [b for b in self.budgets if b < len(tree)]
+        value = [gain[b - 1] / (draft_ms + self.cost.verify(b + 1, self.context)) for b in budgets]
+        if value and max(value) > chain.max():
+            b = budgets[int(np.argmax(value))]
+            if not tree.prefix(b).is_chain():
+                return Plan(0, tree.prefix(b))
+        return best
 
     # -- after verifying ----------------------------------------------------------------------
 
-    def record(self, log_conf: list[float] | None, verified: int, accepted: int,
-               draft_rows: int) -> None:
-        """Learn from a cycle: ``verified`` proposals sent, ``accepted`` of them kept."""
-        self.stats.rows_verified += verified + 1
-        if log_conf is None:  # a plain step
+    def record(self, log_conf: np.ndarray | None, plan: Plan | None, accepted: int,
+               path: list[int] | None, draft_rows: int) -> None:
+        """Learn from a cycle (``plan is None``: a plain step): ``accepted`` tokens were kept;
+        for a tree, along ``path`` (node indices)."""
+        if plan is None:
             self.stats.plain_steps += 1
+            self.stats.rows_verified += 1
             return
         self.stats.speculative_cycles += 1
-        conf = np.exp(np.asarray(log_conf, dtype=np.float64))
-        self.acceptance.update(conf, verified, accepted)
+        if plan.tree is not None:
+            self.stats.tree_cycles += 1
+            verified = len(plan.tree) - 1
+            spine, spine_accepted = spine_length(plan.tree), spine_length(plan.tree, path)
+        else:
+            verified = plan.rows
+            spine, spine_accepted = plan.rows, accepted
+        self.stats.rows_verified += verified + 1
+        if log_conf is not None and len(log_conf):
+            self.acceptance.update(np.exp(np.asarray(log_conf, dtype=np.float64)), spine,
+                                   spine_accepted)
         if self.name != "auto":
             return
         cycle_ms = self.cost.draft(draft_rows) + self.cost.verify(verified + 1, self.context)
         rate = (accepted + 1) / cycle_ms
         self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
-        plain = 1.0 / self.cost.verify(1, self.context)
-        if self.rate < plain:
+        if self.rate < 1.0 / self.cost.verify(1, self.context):
             self.losses += 1
             self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
         else:

@@ -8,7 +8,7 @@ from tiny_models import OracleDrafter
 
 from dflash.model_mlx import generate, stream_generate
 from dflash.target import VerifyTrace, forward, make_cache, rollback, target_parts
-from dflash.verify_policy import confident_rows, row_confidence
+from dflash.verify_policy import confident_rows, draft_candidates
 
 N_TOKENS = 200
 
@@ -69,7 +69,7 @@ def test_shorter_verify_keeps_output_and_follows_confidence(kind, loaded_pair, r
 
 
 def _confident_rows(logits, columns, threshold):
-    return confident_rows(row_confidence(logits, columns).tolist(), threshold)
+    return confident_rows(draft_candidates(logits, columns, 1)[0][:, 0], threshold)
 
 
 def test_confident_rows_rule():

@@ -19,7 +19,7 @@ from dflash.target import (
     tree_forward,
     tree_supported,
 )
-from dflash.tree import DraftTree, build_tree, walk
+from dflash.tree import DraftTree, build_tree, top_candidates, walk
 
 ATTENTION_KINDS = ("qwen3", "llama")
 
@@ -40,8 +40,11 @@ def test_build_tree_is_the_most_probable_prefix_set_in_topological_order():
     for _ in range(20):
         logits = rng.normal(size=(3, 4)) * 2
         lp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+        vals, ids = top_candidates(lp, 4)
+        assert (np.diff(vals, axis=1) <= 0).all()
+        assert np.allclose(np.take_along_axis(lp, ids, axis=1), vals)
         for budget in (1, 3, 6, 10):
-            tree = build_tree(lp, budget, anchor=99)
+            tree = build_tree(vals, ids, budget, anchor=99)
             assert len(tree) == budget + 1 and tree.tokens[0] == 99 and tree.parents[0] == -1
             assert all(tree.parents[i] < i for i in range(1, len(tree)))  # parents first
             assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1
@@ -58,7 +61,7 @@ def test_build_tree_is_the_most_probable_prefix_set_in_topological_order():
             assert len(kids) == len(set(kids))
             # The first b nodes of the tree are the best b-node tree.
             assert tree.prefix(min(2, budget)).tokens == \
-                build_tree(lp, min(2, budget), 99).tokens
+                build_tree(vals, ids, min(2, budget), 99).tokens
 
 
 def test_walk_follows_the_targets_tokens():
