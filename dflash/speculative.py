@@ -13,7 +13,7 @@ from .backend import default_min_confidence
 from .errors import GenerationConfigError
 from .prompt_cache import PromptCache
 from .prompts import encode_text
-from .sampling import BlockSampler, SamplingConfig
+from .sampling import BlockSampler, SamplingConfig, check_decode_settings
 from .target import VerifyTrace, check_compatible, forward, make_cache, rollback, target_parts
 
 
@@ -139,12 +139,9 @@ def stream_generate(
     parts = target_parts(model)
     check_compatible(parts, draft)
     block_size = draft.block_size if block_size is None else block_size
-    if not isinstance(block_size, int) or block_size < 2:
-        raise GenerationConfigError(f"block_size={block_size!r}: must be an integer >= 2")
-    if not isinstance(max_tokens, int) or max_tokens < 0:
-        raise GenerationConfigError(f"max_tokens={max_tokens!r}: must be an integer >= 0")
-    if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
-        raise GenerationConfigError(f"prefill_step_size={prefill_step_size!r}: must be >= 1")
+    if min_confidence is None:
+        min_confidence = default_min_confidence()
+    check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
     if proposal is None:
         # Measured on the built-in pair (scripts/bench_sampling.py): sampled proposals accept more
         # at T > 0; at T = 0 both modes are the same. A custom sampler has no q to reject against.
@@ -158,10 +155,6 @@ def stream_generate(
         proposal=proposal, seed=seed)
     cfg.validate(parts.vocab_size)
     stops = _stop_sequences(stop)
-    if min_confidence is None:
-        min_confidence = default_min_confidence()
-    if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
-        raise GenerationConfigError(f"min_confidence={min_confidence!r}: must be in [0, 1]")
 
     if isinstance(prompt, str):
         prompt_ids = encode_text(tokenizer, prompt)

@@ -412,7 +412,8 @@ def test_cli_arguments(hf, tmp_path):
 
 def test_quantized_modules_are_real_quantized_linears(hf, tmp_path):
     """Without the CPU backend's dequantization the loaded drafter holds QuantizedLinear layers."""
-    from dflash.drafter import DFlashConfig, build_draft, read_weights
+    from dflash.checkpoint import read_weights
+    from dflash.drafter import DFlashConfig, build_draft
 
     dst = tmp_path / "raw"
     convert(hf, dst, quant_recipe="mixed_8_4")
