@@ -1,4 +1,5 @@
-"""Reading a drafter folder: ``config.json``, its safetensors (one file or shards) and hub ids.
+"""Checkpoint folders: reading a drafter's (``config.json``, safetensors in one file or shards, hub
+ids) and writing any folder atomically.
 
 One reader serves :func:`dflash.drafter.load_draft` and ``dflash convert``, so both refuse a broken
 folder with the same :class:`~dflash.errors.DraftCheckpointError`, naming the file at fault.
@@ -7,6 +8,10 @@ folder with the same :class:`~dflash.errors.DraftCheckpointError`, naming the fi
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +91,32 @@ def drafter_weights(weights: dict[str, Any]) -> dict[str, Any]:
             continue
         out[k] = v
     return out
+
+
+def write_atomically(dst: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` a temporary folder next to ``dst``, then rename it into place.
+
+    On any failure the temporary folder is removed and an existing ``dst`` is left as it was;
+    an old ``dst`` is replaced only once the new one is complete.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    backup = None
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        if dst.exists():
+            backup = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(dst, backup)
+        try:
+            os.replace(tmp, dst)
+        except OSError:
+            if backup is not None:
+                os.replace(backup, dst)
+                backup = None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)

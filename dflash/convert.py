@@ -34,13 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
-import sys
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,9 +45,17 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import dequantize_model, get_total_parameters
 
-from . import __version__, backend
+from . import __version__, backend, console
 from .acceptance import measure_tau
-from .checkpoint import drafter_weights, read_config, read_weights, resolve_path, weight_files
+from .checkpoint import (
+    INDEX_FILE,
+    drafter_weights,
+    read_config,
+    read_weights,
+    resolve_path,
+    weight_files,
+    write_atomically,
+)
 from .drafter import DFlashConfig, DFlashDraftModel, build_draft, load_draft
 from .errors import DFlashError, DraftCheckpointError
 from .model_mlx import load as load_target_model
@@ -459,7 +463,7 @@ def save_weights(folder: Path, weights: dict[str, mx.array], max_shard_bytes: in
         files.append(folder / name)
     index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
              "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return files
 
 
@@ -840,35 +844,6 @@ def write_checkpoint(folder: Path, weights: dict[str, mx.array], config: dict, s
     return files
 
 
-def write_atomically(dst: Path, fill: Callable[[Path], None]) -> None:
-    """``fill`` a temporary folder next to ``dst``, then rename it into place.
-
-    On any failure the temporary folder is removed and an existing ``dst`` is left as it was;
-    an old ``dst`` is replaced only once the new one is complete.
-    """
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
-    backup = None
-    try:
-        tmp.mkdir()
-        fill(tmp)
-        if dst.exists():
-            backup = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(dst, backup)
-        try:
-            os.replace(tmp, dst)
-        except OSError:
-            if backup is not None:
-                os.replace(backup, dst)
-                backup = None
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
-
-
 def convert(
     hf_path: str | Path,
     mlx_path: str | Path,
@@ -1080,7 +1055,7 @@ def run_convert(args: argparse.Namespace) -> int:
         force=args.force, dequantize=args.dequantize, target=args.target,
         bit_budget=args.bit_budget, max_shard_bytes=parse_size(args.max_shard_size),
         calib_prompts=prompts, tau_prompts=prompts, tau_max_tokens=args.tau_max_tokens,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        log=console.log)
     print(format_report(report), flush=True)
     if args.report_json:
         Path(args.report_json).write_text(json.dumps(report, indent=2, default=str))
