@@ -85,7 +85,7 @@ class SamplingConfig:
         if self.repetition_penalty is not None and (
                 not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf):
             _bad("repetition_penalty", self.repetition_penalty,
-                "must be a finite number > 0 (1 or None disables it)")
+                 "must be a finite number > 0 (1 or None disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is None:
@@ -103,12 +103,12 @@ class SamplingConfig:
         if self.logits_processors is not None:
             if callable(self.logits_processors) or isinstance(self.logits_processors, (str, bytes)):
                 _bad("logits_processors", self.logits_processors,
-                    "must be a list of callables (tokens, logits) -> logits")
+                     "must be a list of callables (tokens, logits) -> logits")
             try:
                 procs = list(self.logits_processors)
             except TypeError:
                 _bad("logits_processors", self.logits_processors,
-                    "must be a list of callables (tokens, logits) -> logits")
+                     "must be a list of callables (tokens, logits) -> logits")
             for proc in procs:
                 if not callable(proc):
                     _bad("logits_processors", proc, "every entry must be callable")
@@ -117,7 +117,7 @@ class SamplingConfig:
             _bad("proposal", self.proposal, f"must be one of {', '.join(PROPOSAL_MODES)}")
         if self.proposal == "sample" and self.sampler is not None:
             _bad("proposal", self.proposal, "rejection sampling needs the built-in sampler's "
-                "distribution; use proposal='argmax' with a custom sampler")
+                 "distribution; use proposal='argmax' with a custom sampler")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             _bad("seed", self.seed, "must be an integer in [0, 2**64)")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
