@@ -34,28 +34,33 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
-import sys
 import time
-import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import dequantize_model, get_total_parameters
 
+from . import __version__, backend, console
 from .acceptance import measure_tau
-from .drafter import (
-    DFlashConfig,
-    DFlashDraftModel,
-    build_draft,
+from .checkpoint import (
+    INDEX_FILE,
+    drafter_weights,
+    read_config,
     read_weights,
     resolve_path,
+    weight_files,
+    write_atomically,
 )
+from .drafter import DFlashConfig, DFlashDraftModel, build_draft, load_draft
 from .errors import DFlashError, DraftCheckpointError
+from .model_mlx import load as load_target_model
+from .prompts import encode_prompt, read_prompts
+from .target import TargetParts, check_compatible, forward, make_cache, target_parts
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -85,15 +90,6 @@ FIXED_PROMPTS = (
 # Reading and validating the source
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DraftCheckpointError(f"{path}: missing (a drafter folder needs config.json)") from None
-    except json.JSONDecodeError as e:
-        raise DraftCheckpointError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
-
-
 def _check_architecture(raw: dict, source: str) -> None:
     archs = raw.get("architectures")
     if archs is None:
@@ -102,26 +98,6 @@ def _check_architecture(raw: dict, source: str) -> None:
         raise DraftCheckpointError(
             f"{source}: architecture {archs!r} is not a DFlash drafter (expected e.g. "
             "'DFlashDraftModel'); this command converts drafters, not target models")
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (json.JSONDecodeError, KeyError, AttributeError):
-            return []
-    return sorted(path.glob("*.safetensors"))
-
-
-def _strip(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Drop a ``model.`` nesting; the target's embeddings/head are never part of a drafter."""
-    out = {}
-    for k, v in weights.items():
-        k = k[len("model."):] if k.startswith("model.") else k
-        if not k.startswith(("embed_tokens.", "lm_head.")):
-            out[k] = v
-    return out
 
 
 def _source_quantization(raw: dict, weights: dict[str, mx.array]) -> dict | None:
@@ -143,19 +119,27 @@ def _float_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
     return max(counts, key=counts.get) if counts else mx.float32
 
 
-def _load_source(src: Path, dequantize: bool) -> tuple[dict, DFlashConfig, DFlashDraftModel, dict]:
-    """Config, parsed config, float drafter (validated names and shapes) and source facts."""
+class Source(NamedTuple):
+    """The drafter to convert, read and validated (names and shapes), in floating point."""
+
+    path: Path
+    raw: dict  # its config.json (without a quantization block once dequantized)
+    cfg: DFlashConfig
+    model: DFlashDraftModel
+    files: list[Path]  # the safetensors read, for the size before
+    quantization: dict | None  # the source's own quantization, if any
+    dtype: mx.Dtype  # the source's floating-point dtype
+
+
+def read_source(src: Path, dequantize: bool) -> Source:
+    """The source drafter as a float model; a quantized source only with ``dequantize``."""
     cfg_path = src / "config.json"
-    raw = _read_json(cfg_path)
-    if not isinstance(raw, dict):
-        raise DraftCheckpointError(f"{cfg_path}: expected a JSON object")
+    raw = read_config(src)
     _check_architecture(raw, str(cfg_path))
     cfg = DFlashConfig.from_dict(raw, source=str(cfg_path))
-    weights = _strip(read_weights(src))
-    facts = {"files": _weight_files(src), "quantization": None}
+    weights = drafter_weights(read_weights(src))
     quant = _source_quantization(raw, weights)
     if quant is not None:
-        facts["quantization"] = quant
         if not dequantize:
             bits = quant.get("bits", "?") if isinstance(quant, dict) else "?"
             raise DraftCheckpointError(
@@ -168,14 +152,12 @@ def _load_source(src: Path, dequantize: bool) -> tuple[dict, DFlashConfig, DFlas
                 f"({quant.get('quant_method', quant.get('detected'))}); only MLX-quantized "
                 "drafters can be dequantized here")
         model = build_draft(cfg, weights, str(src), quant)
-        from mlx_lm.utils import dequantize_model
-
         dequantize_model(model)
         raw = {k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")}
     else:
         model = build_draft(cfg, weights, str(src))
-    facts["dtype"] = _float_dtype(dict(tree_flatten(model.parameters())))
-    return raw, cfg, model, facts
+    return Source(src, raw, cfg, model, weight_files(src), quant,
+                  _float_dtype(dict(tree_flatten(model.parameters()))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,10 +276,11 @@ class Calibration:
         return max(float(kl), 0.0), float(agree)
 
 
-def _prompt_ids(tokenizer, prompts, vocab: int, seed: int, length: int = 48) -> list[list[int]]:
+def prompt_token_ids(tokenizer, prompts, vocab: int, seed: int,
+                     length: int = 48) -> list[list[int]]:
+    """Each prompt as one user turn through the chat template; without a tokenizer (a target
+    given as a bare model), ``length`` random ids per prompt, the same for the same ``seed``."""
     if tokenizer is not None:
-        from .prompts import encode_prompt
-
         return [encode_prompt(tokenizer, {"prompt": p}) for p in prompts]
     key = mx.random.key(seed)
     out = []
@@ -314,10 +297,8 @@ def build_calibration(cfg: DFlashConfig, target=None, prompts=FIXED_PROMPTS,
     hid = cfg.hidden_size
     key = mx.random.key(seed)
     if target is not None:
-        from .target import forward, make_cache
-
         parts, tokenizer = target
-        seqs = _prompt_ids(tokenizer, prompts, cfg.vocab_size, seed)
+        seqs = prompt_token_ids(tokenizer, prompts, cfg.vocab_size, seed)
         samples = []
         per_prompt = max(1, math.ceil(n_samples / len(seqs)))
         for ids in seqs:
@@ -364,21 +345,20 @@ def _fake_quant(w: mx.array, group_size: int, bits: int) -> mx.array:
     return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
 
 
-def _apply_fake_plan(ref: DFlashDraftModel, stored: dict[str, mx.array], plan: dict,
-                     group_size: int) -> dict[str, mx.array]:
-    """Swap the weights of ``plan``'s tensors for their quantize->dequantize round trip."""
+def _plan_score(calib: Calibration, ref: DFlashDraftModel, stored: dict[str, mx.array],
+                plan: dict[str, int], group_size: int) -> tuple[float, float]:
+    """``calib.score`` of ``ref`` with ``plan``'s tensors swapped for their quantize->dequantize
+    round trip (from ``stored``, the weights as they will be stored); ``ref`` is left as it was."""
     mods = dict(ref.named_modules())
     saved = {}
-    for p, bits in plan.items():
-        saved[p] = mods[p].weight
-        mods[p].weight = _fake_quant(stored[p], group_size, bits).astype(mx.float32)
-    return saved
-
-
-def _restore(ref: DFlashDraftModel, saved: dict[str, mx.array]) -> None:
-    mods = dict(ref.named_modules())
-    for p, w in saved.items():
-        mods[p].weight = w
+    try:
+        for p, bits in plan.items():
+            saved[p] = mods[p].weight
+            mods[p].weight = _fake_quant(stored[p], group_size, bits).astype(mx.float32)
+        return calib.score(ref)
+    finally:
+        for p, w in saved.items():
+            mods[p].weight = w
 
 
 def sensitivity_plan(ref: DFlashDraftModel, stored: dict[str, mx.array], paths: list[str],
@@ -402,9 +382,7 @@ def sensitivity_plan(ref: DFlashDraftModel, stored: dict[str, mx.array], paths: 
         table[p] = {}
         best = math.inf
         for b in levels:
-            saved = _apply_fake_plan(ref, stored, {p: b}, group_size)
-            kl, _ = calib.score(ref)
-            _restore(ref, saved)
+            kl, _ = _plan_score(calib, ref, stored, {p: b}, group_size)
             best = min(best, kl)  # more bits never cost more: keep it monotone against noise
             table[p][b] = best
         if log and (i + 1) % 8 == 0:
@@ -485,7 +463,7 @@ def save_weights(folder: Path, weights: dict[str, mx.array], max_shard_bytes: in
         files.append(folder / name)
     index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
              "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return files
 
 
@@ -494,8 +472,6 @@ def _files_size(files) -> int:
 
 
 def _bits_per_weight(model: nn.Module) -> float:
-    from mlx_lm.utils import get_total_parameters
-
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return nbytes * 8 / max(get_total_parameters(model), 1)
 
@@ -664,43 +640,56 @@ def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path)
         "  primaryClass={cs.LG}",
         "}",
         "```", "",
-        f"Converted with `dflash convert` (dflash {_version()}).", "",
+        f"Converted with `dflash convert` (dflash {__version__}).", "",
     ]
     return "\n".join(lines)
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
-
-
 # ---------------------------------------------------------------------------------------------
-# Acceptance of the converted drafter against the original
+# The target (optional): calibration features and the acceptance comparison
 
 
-def _load_target(target):
+class Target(NamedTuple):
+    model: nn.Module
+    tokenizer: Any  # None when given a bare model: prompts are then random ids
+    parts: TargetParts
+    name: str
+
+
+def load_target(target) -> Target:
     """``target``: a path / hub id, a loaded mlx-lm model, or ``(model, tokenizer)``."""
-    from .target import target_parts
-
     if isinstance(target, (str, Path)):
-        from .model_mlx import load
-
-        model, tokenizer = load(str(target))
+        model, tokenizer = load_target_model(str(target))
         name = str(target)
     elif isinstance(target, tuple):
         model, tokenizer = target
         name = type(model).__name__
     else:
         model, tokenizer, name = target, None, type(target).__name__
-    return model, tokenizer, target_parts(model), name
+    return Target(model, tokenizer, target_parts(model), name)
+
+
+def compare_tau(target: Target, original: DFlashDraftModel, converted: DFlashDraftModel,
+                prompts, max_tokens: int) -> dict:
+    """Mean greedy acceptance τ of the original and the converted drafter on the same prompts."""
+    ids = prompt_token_ids(target.tokenizer, prompts, original.config.vocab_size, seed=0)
+    orig = measure_tau(target.model, target.tokenizer, original, ids, max_tokens=max_tokens)
+    conv = measure_tau(target.model, target.tokenizer, converted, ids, max_tokens=max_tokens)
+    return {
+        "original": orig["tau"], "converted": conv["tau"], "prompts": len(prompts),
+        "max_tokens": max_tokens, "target": target.name,
+        "outputs_identical": orig["outputs"] == conv["outputs"],
+        "draft_ms_per_cycle": {"original": orig["draft_ms_per_cycle"],
+                               "converted": conv["draft_ms_per_cycle"]}}
 
 
 # ---------------------------------------------------------------------------------------------
 # The conversion
 
 
-def _validate_options(q_bits, q_group_size, dtype, max_shard_bytes):
+def _checked_options(quantize, q_bits, q_group_size, dtype, quant_recipe, bit_budget,
+                     max_shard_bytes) -> tuple[str, tuple[int, int] | None, bool, float | None]:
+    """``(recipe kind, mixed bits, quantize, bit_budget)`` once every option is in range."""
     if q_bits not in SUPPORTED_BITS:
         raise DFlashError(f"q_bits={q_bits!r}: unsupported; MLX affine quantization supports "
                           f"{', '.join(map(str, SUPPORTED_BITS))} bits")
@@ -711,6 +700,148 @@ def _validate_options(q_bits, q_group_size, dtype, max_shard_bytes):
         raise DFlashError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise DFlashError(f"max_shard_bytes={max_shard_bytes!r}: must be a positive byte count")
+    kind, mixed = parse_recipe(quant_recipe)
+    quantize = bool(quantize or quant_recipe not in (None, "", "uniform"))
+    if kind == "sensitivity":
+        bit_budget = float(q_bits if bit_budget is None else bit_budget)
+        if not SUPPORTED_BITS[0] <= bit_budget <= 8:
+            raise DFlashError(f"bit_budget={bit_budget}: must be between 2 and 8")
+    elif bit_budget is not None:
+        raise DFlashError("bit_budget only applies to --quant-recipe sensitivity")
+    return kind, mixed, quantize, bit_budget
+
+
+def _checked_destination(src: Path, mlx_path: str | Path, force: bool) -> Path:
+    dst = Path(mlx_path).expanduser()
+    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
+        raise DFlashError(f"mlx_path={dst}: would overwrite the source folder {src}")
+    if dst.exists() and not force:
+        raise DFlashError(f"mlx_path={dst}: already exists; pass --force (force=True) to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise DFlashError(f"mlx_path={dst}: exists and is not a folder")
+    return dst
+
+
+def _sensitivity_plan_checked(ref, stored, paths, calib, group_size, bit_budget, levels,
+                              log) -> tuple[dict[str, int], dict, str | None]:
+    """:func:`sensitivity_plan`, kept only if it measures better than the uniform plan of the
+    same budget; the note says when it did not."""
+    log(f"[convert] measuring sensitivity of {len(paths)} tensors at {sorted(set(levels))} bits")
+    plan, info = sensitivity_plan(ref, stored, paths, calib, group_size, bit_budget, levels, log)
+    floor_bits = max((b for b in info["levels"] if b <= bit_budget), default=None)
+    info["chosen"] = "greedy"
+    if floor_bits is None or not paths:
+        return plan, info, None
+    # The greedy plan assumes tensors' KL increases add up; check it against the uniform plan of
+    # the same budget and keep whichever measures better.
+    uniform = {p: floor_bits for p in paths}
+    kl_u, ag_u = _plan_score(calib, ref, stored, uniform, group_size)
+    kl_g, _ = _plan_score(calib, ref, stored, plan, group_size)
+    info["uniform_comparison"] = {"bits": floor_bits, "kl": kl_u, "top1_agreement": ag_u}
+    if kl_u >= kl_g:
+        return plan, info, None
+    info["chosen"] = f"uniform {floor_bits}-bit (measured better)"
+    info["average_bits"] = float(floor_bits)
+    return uniform, info, (
+        f"sensitivity: the greedy mix measured worse (KL {kl_g:.4g}) than uniform "
+        f"{floor_bits}-bit (KL {kl_u:.4g}) on the calibration blocks; kept uniform")
+
+
+def plan_quantization(model: DFlashDraftModel, src_weights: dict[str, mx.array], kind: str,
+                      mixed: tuple[int, int] | None, q_bits: int, group_size: int,
+                      bit_budget: float | None, levels, target: Target | None, calib_prompts,
+                      calib_samples: int, log) -> dict:
+    """Bits per projection under the recipe, as the report's fields: ``quantization`` (the config
+    block), ``quantized`` (the plan), ``kept``, ``average_bits``, ``calibration``,
+    ``sensitivity`` and ``notes``.
+
+    ``model`` holds the weights as they will be stored; ``src_weights`` the source drafter's (the
+    calibration reference, before any dtype change).
+    """
+    cfg = model.config
+    stored = {p: m.weight for p, m in model.named_modules() if isinstance(m, nn.Linear)}
+    paths = linear_paths(model)
+    qpaths, kept = _split_divisible(model, paths, group_size)
+    fields: dict[str, Any] = {"kept": kept, "notes": [], "calibration": None,
+                              "sensitivity": None}
+    if not qpaths:
+        fields["notes"].append(f"no projection has an input dimension divisible by {group_size}: "
+                               "nothing was quantized")
+    calib = ref = None
+    if kind == "sensitivity" or target is not None:
+        ref = build_draft(cfg, {k: v.astype(mx.float32) for k, v in src_weights.items()},
+                          "calibration reference")
+        calib = build_calibration(cfg, (target.parts, target.tokenizer) if target else None,
+                                  prompts=calib_prompts, n_samples=calib_samples)
+        calib.set_reference(ref)
+        log(f"[convert] calibration: {calib.description}")
+    if kind == "uniform":
+        plan = {p: q_bits for p in qpaths}
+    elif kind == "mixed":
+        plan = _mixed_plan(qpaths, cfg.num_hidden_layers, *mixed)
+    else:
+        plan, fields["sensitivity"], note = _sensitivity_plan_checked(
+            ref, stored, qpaths, calib, group_size, bit_budget, levels, log)
+        if note:
+            fields["notes"].append(note)
+    sizes = {p: int(stored[p].size) for p in plan}
+    counts: dict[int, int] = {}
+    for p, b in plan.items():
+        counts[b] = counts.get(b, 0) + sizes[p]
+    base_bits = max(counts, key=counts.get) if counts else q_bits
+    qblock: dict[str, Any] = {"group_size": group_size, "bits": base_bits, "mode": "affine"}
+    for p in paths:
+        if p in plan and plan[p] != base_bits:
+            qblock[p] = {"group_size": group_size, "bits": plan[p]}
+        elif p not in plan:
+            qblock[p] = False
+    total = sum(sizes.values())
+    fields["quantization"] = qblock
+    fields["quantized"] = dict(plan)
+    fields["average_bits"] = (sum(b * sizes[p] for p, b in plan.items()) / total
+                              if total else 0.0)
+    if calib is not None:
+        kl, agree = _plan_score(calib, ref, stored, plan, group_size)
+        fields["calibration"] = {"description": calib.description, "kl": kl,
+                                 "top1_agreement": agree}
+    return fields
+
+
+def _quantize(model: nn.Module, plan: dict[str, int], group_size: int) -> None:
+    def predicate(p, m):
+        if p not in plan:
+            return False
+        return {"group_size": group_size, "bits": plan[p], "mode": "affine"}
+
+    nn.quantize(model, class_predicate=predicate)
+    mx.eval(model.parameters())
+
+
+def _output_config(raw: dict, quantization: dict | None, dtype_name: str) -> dict:
+    """The source's config.json with the new quantization block and float dtype."""
+    out = dict(raw)
+    for k in ("quantization", "quantization_config"):
+        out.pop(k, None)
+    if quantization is not None:
+        out["quantization"] = quantization
+        out["quantization_config"] = quantization
+    if "torch_dtype" in out or "dtype" not in out:
+        out["torch_dtype"] = dtype_name
+    if "dtype" in out:
+        out["dtype"] = dtype_name
+    return out
+
+
+def write_checkpoint(folder: Path, weights: dict[str, mx.array], config: dict, src: Path,
+                     max_shard_bytes: int) -> list[Path]:
+    """Weights, config.json and the source's licence / generation config; the weight files."""
+    files = save_weights(folder, weights, max_shard_bytes)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for pattern in ("LICENSE*", "generation_config.json"):
+        for f in src.glob(pattern):
+            if f.is_file():
+                shutil.copy(f, folder / f.name)
+    return files
 
 
 def convert(
@@ -745,200 +876,63 @@ def convert(
     """
     log = log or (lambda *_: None)
     t_start = time.perf_counter()
-    _validate_options(q_bits, q_group_size, dtype, max_shard_bytes)
-    kind, mixed = parse_recipe(quant_recipe)
-    quantize = bool(quantize or quant_recipe not in (None, "", "uniform"))
-    if kind == "sensitivity":
-        bit_budget = float(q_bits if bit_budget is None else bit_budget)
-        if not SUPPORTED_BITS[0] <= bit_budget <= 8:
-            raise DFlashError(f"bit_budget={bit_budget}: must be between 2 and 8")
-    elif bit_budget is not None:
-        raise DFlashError("bit_budget only applies to --quant-recipe sensitivity")
-
-    dst = Path(mlx_path).expanduser()
+    kind, mixed, quantize, bit_budget = _checked_options(
+        quantize, q_bits, q_group_size, dtype, quant_recipe, bit_budget, max_shard_bytes)
     src = resolve_path(hf_path)
-    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
-        raise DFlashError(f"mlx_path={dst}: would overwrite the source folder {src}")
-    if dst.exists() and not force:
-        raise DFlashError(f"mlx_path={dst}: already exists; pass --force (force=True) to replace it")
-    if dst.exists() and not dst.is_dir():
-        raise DFlashError(f"mlx_path={dst}: exists and is not a folder")
+    dst = _checked_destination(src, mlx_path, force)
 
     log(f"[convert] reading {src}")
-    raw, cfg, model, facts = _load_source(src, dequantize)
-    src_dtype = facts["dtype"]
+    source = read_source(src, dequantize)
+    cfg, model = source.cfg, source.model
     src_weights = dict(tree_flatten(model.parameters()))  # the original drafter, for τ
-    out_dtype = DTYPES[dtype] if dtype else src_dtype
+    out_dtype = DTYPES[dtype] if dtype else source.dtype
     model.update(tree_map(lambda p: p.astype(out_dtype) if mx.issubdtype(p.dtype, mx.floating)
                           else p, model.parameters()))
     mx.eval(model.parameters())
-    size_before = _files_size(facts["files"])
-    bpw_before = _bits_per_weight(model) if facts["quantization"] is None else None
+    bpw_before = _bits_per_weight(model) if source.quantization is None else None
 
     tgt = None
     if target is not None:
         log(f"[convert] loading target {target}")
-        t_model, t_tok, t_parts, t_name = _load_target(target)
-        from .target import check_compatible
-
-        check_compatible(t_parts, model)
-        tgt = (t_model, t_tok, t_parts, t_name)
+        tgt = load_target(target)
+        check_compatible(tgt.parts, model)
 
     report: dict[str, Any] = {
         "source": str(hf_path), "source_path": str(src), "destination": str(dst),
-        "source_dtype": DTYPE_NAMES.get(src_dtype, str(src_dtype)),
+        "source_dtype": DTYPE_NAMES.get(source.dtype, str(source.dtype)),
         "dtype": DTYPE_NAMES.get(out_dtype, str(out_dtype)),
-        "source_quantization": facts["quantization"],
+        "source_quantization": source.quantization,
         "recipe": kind if kind != "mixed" else quant_recipe,
         "quantization": None, "quantized": {}, "kept": {},
-        "size_before": size_before, "bits_per_weight_before": bpw_before,
+        "size_before": _files_size(source.files), "bits_per_weight_before": bpw_before,
         "calibration": None, "sensitivity": None, "tau": None, "notes": [],
     }
-    stored = {p: m.weight for p, m in model.named_modules()
-              if isinstance(m, nn.Linear)}
-    paths = linear_paths(model)
-    calib = ref = None
     if quantize:
-        qpaths, kept = _split_divisible(model, paths, q_group_size)
-        report["kept"] = kept
-        if not qpaths:
-            report["notes"].append(
-                f"no projection has an input dimension divisible by {q_group_size}: nothing "
-                "was quantized")
-        need_calib = kind == "sensitivity" or tgt is not None
-        if need_calib:
-            # The reference is the source drafter itself (before any dtype change), in float32.
-            ref = build_draft(cfg, {k: v.astype(mx.float32) for k, v in src_weights.items()},
-                              "calibration reference")
-            calib = build_calibration(
-                cfg, (tgt[2], tgt[1]) if tgt else None, prompts=calib_prompts,
-                n_samples=calib_samples)
-            calib.set_reference(ref)
-            log(f"[convert] calibration: {calib.description}")
-        if kind == "uniform":
-            plan = {p: q_bits for p in qpaths}
-        elif kind == "mixed":
-            plan = _mixed_plan(qpaths, cfg.num_hidden_layers, *mixed)
-        else:
-            log(f"[convert] measuring sensitivity of {len(qpaths)} tensors at "
-                f"{sorted(set(sensitivity_levels))} bits")
-            plan, info = sensitivity_plan(ref, stored, qpaths, calib, q_group_size, bit_budget,
-                                          sensitivity_levels, log)
-            report["sensitivity"] = info
-            floor_bits = max((b for b in info["levels"] if b <= bit_budget), default=None)
-            info["chosen"] = "greedy"
-            if floor_bits is not None and qpaths:
-                # The greedy plan assumes tensors' KL increases add up; check it against the
-                # uniform plan of the same budget and keep whichever measures better.
-                uniform = {p: floor_bits for p in qpaths}
-                saved = _apply_fake_plan(ref, stored, uniform, q_group_size)
-                kl_u, ag_u = calib.score(ref)
-                _restore(ref, saved)
-                saved = _apply_fake_plan(ref, stored, plan, q_group_size)
-                kl_g, _ = calib.score(ref)
-                _restore(ref, saved)
-                info["uniform_comparison"] = {"bits": floor_bits, "kl": kl_u,
-                                              "top1_agreement": ag_u}
-                if kl_u < kl_g:
-                    plan, info["chosen"] = uniform, f"uniform {floor_bits}-bit (measured better)"
-                    info["average_bits"] = float(floor_bits)
-                    report["notes"].append(
-                        f"sensitivity: the greedy mix measured worse (KL {kl_g:.4g}) than uniform "
-                        f"{floor_bits}-bit (KL {kl_u:.4g}) on the calibration blocks; kept uniform")
-        counts: dict[int, int] = {}
-        for p, b in plan.items():
-            counts[b] = counts.get(b, 0) + int(stored[p].size)
-        base_bits = max(counts, key=counts.get) if counts else q_bits
-        qblock: dict[str, Any] = {"group_size": q_group_size, "bits": base_bits, "mode": "affine"}
-        for p in paths:
-            if p in plan and plan[p] != base_bits:
-                qblock[p] = {"group_size": q_group_size, "bits": plan[p]}
-            elif p not in plan:
-                qblock[p] = False
-        report["quantization"] = qblock
-        report["quantized"] = dict(plan)
-        total = sum(int(stored[p].size) for p in plan)
-        report["average_bits"] = (sum(b * int(stored[p].size) for p, b in plan.items()) / total
-                                  if total else 0.0)
-        if calib is not None:
-            saved = _apply_fake_plan(ref, stored, plan, q_group_size)
-            kl, agree = calib.score(ref)
-            _restore(ref, saved)
-            report["calibration"] = {"description": calib.description, "kl": kl,
-                                     "top1_agreement": agree}
-
-        def predicate(p, m):
-            if p not in plan:
-                return False
-            return {"group_size": q_group_size, "bits": plan[p], "mode": "affine"}
-
-        nn.quantize(model, class_predicate=predicate)
-        mx.eval(model.parameters())
-
-    out_cfg = dict(raw)
-    for k in ("quantization", "quantization_config"):
-        out_cfg.pop(k, None)
-    if report["quantization"] is not None:
-        out_cfg["quantization"] = report["quantization"]
-        out_cfg["quantization_config"] = report["quantization"]
-    if "torch_dtype" in out_cfg or "dtype" not in out_cfg:
-        out_cfg["torch_dtype"] = report["dtype"]
-    if "dtype" in out_cfg:
-        out_cfg["dtype"] = report["dtype"]
+        report.update(plan_quantization(
+            model, src_weights, kind, mixed, q_bits, q_group_size, bit_budget,
+            sensitivity_levels, tgt, calib_prompts, calib_samples, log))
+        _quantize(model, report["quantized"], q_group_size)
+    out_cfg = _output_config(source.raw, report["quantization"], report["dtype"])
     report["bits_per_weight"] = _bits_per_weight(model)
 
-    # Everything below writes into a temporary sibling folder, renamed into place at the end.
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
-    backup = None
-    try:
-        tmp.mkdir()
+    def fill(folder: Path) -> None:
         weights = dict(tree_flatten(model.parameters()))
-        files = save_weights(tmp, weights, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
-        for pattern in ("LICENSE*", "generation_config.json"):
-            for f in src.glob(pattern):
-                if f.is_file():
-                    shutil.copy(f, tmp / f.name)
+        files = write_checkpoint(folder, weights, out_cfg, src, max_shard_bytes)
         report["files"] = [f.name for f in files]
         report["sharded"] = len(files) > 1
         report["size_after"] = _files_size(files)
-        converted = None
-        if verify or (tgt is not None and tau_prompts):
-            converted = _verify_readback(tmp, cfg, weights, report["quantization"])
-        if tgt is not None and tau_prompts:
-            t_model, t_tok, _, t_name = tgt
+        measure = tgt is not None and bool(tau_prompts)
+        if verify or measure:
+            converted = _verify_readback(folder, cfg, weights, report["quantization"])
+        if measure:
             log(f"[convert] measuring τ on {len(tau_prompts)} prompts (original vs converted)")
-            from . import backend
-
             original = build_draft(cfg, src_weights, str(src))
             backend.prepare_for_backend(original)
-            tau_ids = _prompt_ids(t_tok, tau_prompts, cfg.vocab_size, seed=0)
-            orig = measure_tau(t_model, t_tok, original, tau_ids, max_tokens=tau_max_tokens)
-            conv = measure_tau(t_model, t_tok, converted, tau_ids, max_tokens=tau_max_tokens)
-            report["tau"] = {
-                "original": orig["tau"], "converted": conv["tau"], "prompts": len(tau_prompts),
-                "max_tokens": tau_max_tokens, "target": t_name,
-                "outputs_identical": orig["outputs"] == conv["outputs"],
-                "draft_ms_per_cycle": {"original": orig["draft_ms_per_cycle"],
-                                       "converted": conv["draft_ms_per_cycle"]}}
+            report["tau"] = compare_tau(tgt, original, converted, tau_prompts, tau_max_tokens)
         report["seconds"] = round(time.perf_counter() - t_start, 2)
-        (tmp / "README.md").write_text(model_card(report, raw, cfg, dst.name, src))
-        if dst.exists():
-            backup = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(dst, backup)
-        try:
-            os.replace(tmp, dst)
-        except OSError:
-            if backup is not None:
-                os.replace(backup, dst)
-                backup = None
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
+        (folder / "README.md").write_text(model_card(report, source.raw, cfg, dst.name, src))
+
+    write_atomically(dst, fill)
     log(f"[convert] done in {report['seconds']} s")
     return report
 
@@ -946,9 +940,6 @@ def convert(
 def _verify_readback(folder: Path, cfg: DFlashConfig, weights: dict[str, mx.array],
                      qblock: dict | None) -> DFlashDraftModel:
     """``load_draft`` the written folder; every tensor must equal what was meant to be written."""
-    from . import backend
-    from .drafter import load_draft
-
     converted = load_draft(folder)
     expect = build_draft(cfg, weights, "in-memory conversion", qblock)
     backend.prepare_for_backend(expect)
@@ -1056,8 +1047,6 @@ def run_convert(args: argparse.Namespace) -> int:
     """
     prompts = FIXED_PROMPTS
     if args.calib_prompts:
-        from .prompts import read_prompts
-
         prompts = tuple(item.get("prompt") or item["messages"][-1]["content"]
                         for item in read_prompts(args.calib_prompts))
     report = convert(
@@ -1066,22 +1055,8 @@ def run_convert(args: argparse.Namespace) -> int:
         force=args.force, dequantize=args.dequantize, target=args.target,
         bit_budget=args.bit_budget, max_shard_bytes=parse_size(args.max_shard_size),
         calib_prompts=prompts, tau_prompts=prompts, tau_max_tokens=args.tau_max_tokens,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        log=console.log)
     print(format_report(report), flush=True)
     if args.report_json:
         Path(args.report_json).write_text(json.dumps(report, indent=2, default=str))
     return 0
-
-
-def main(argv=None) -> int:
-    parser = add_convert_args(argparse.ArgumentParser(
-        prog="dflash convert", description="Convert a DFlash drafter to MLX, optionally quantized."))
-    return run_convert(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"dflash convert: error: {e}", file=sys.stderr)
-        sys.exit(2)

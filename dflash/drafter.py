@@ -8,10 +8,8 @@ those context rows are injected as extra keys/values next to the block's own.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +18,8 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import backend
+from .checkpoint import drafter_weights, read_config, read_weights, resolve_path
 from .errors import DraftCheckpointError
 
 
@@ -278,67 +278,6 @@ class DFlashDraftModel(nn.Module):
 # Loading
 
 
-def _read_config(path: Path) -> dict:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise DraftCheckpointError(f"{cfg_file}: missing (a drafter folder needs config.json)")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftCheckpointError(f"{cfg_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
-
-
-def read_weights(path: Path) -> dict[str, mx.array]:
-    """All tensors of a checkpoint folder: one safetensors file or shards with an index."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise DraftCheckpointError(f"{index}: malformed (expected a `weight_map`)") from None
-        files = sorted({path / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise DraftCheckpointError(f"{f}: shard listed in {index.name} is missing")
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DraftCheckpointError(f"{path}: no *.safetensors weights found")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises RuntimeError/ValueError for truncated files
-            raise DraftCheckpointError(f"{f}: cannot read safetensors ({e})") from None
-    return weights
-
-
-def _strip_prefix(weights: dict[str, Any]) -> dict[str, Any]:
-    """Some exports nest the drafter under ``model.``; lm_head/embeddings belong to the target."""
-    out = {}
-    for k, v in weights.items():
-        if k.startswith("model."):
-            k = k[len("model."):]
-        if k.startswith(("embed_tokens.", "lm_head.")):
-            continue
-        out[k] = v
-    return out
-
-
-def resolve_path(path_or_repo: str | Path) -> Path:
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        return path
-    if isinstance(path_or_repo, str) and path_or_repo.count("/") == 1 and not path_or_repo.startswith(("/", ".")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(path_or_repo, allow_patterns=["*.json", "*.safetensors", "*.md"]))
-        except Exception as e:
-            raise DraftCheckpointError(f"{path_or_repo}: not a local folder and not downloadable ({e})") from None
-    raise DraftCheckpointError(f"{path_or_repo}: no such drafter folder")
-
-
 def build_draft(cfg: DFlashConfig, weights: dict[str, mx.array], source: str,
                 quantization: dict | None = None) -> DFlashDraftModel:
     model = DFlashDraftModel(cfg)
@@ -377,17 +316,14 @@ def load_draft(path_or_repo: str | Path, sliding_window_size: int | None = None,
     ``sliding_window_size`` overrides the window of the config's sliding layers. On the CPU backend
     the drafter is dequantized and computed in float32 (see :mod:`dflash.backend`).
     """
-    from . import backend
-
     path = resolve_path(path_or_repo)
-    raw = _read_config(path)
+    raw = read_config(path)
     cfg = DFlashConfig.from_dict(raw, source=str(path / "config.json"))
     if sliding_window_size is not None:
         cfg.sliding_window = int(sliding_window_size)
     quantization = raw.get("quantization") or raw.get("quantization_config")
-    weights = _strip_prefix(read_weights(path))
+    weights = drafter_weights(read_weights(path))
     model = build_draft(cfg, weights, str(path), quantization)
     backend.prepare_for_backend(model, dtype)
     mx.eval(model.parameters())
-    model.source_path = path
     return model

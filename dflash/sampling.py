@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import mlx.core as mx
 import numpy as np
@@ -74,55 +74,52 @@ class SamplingConfig:
         Normalises in place what it accepts loosely: ``logit_bias`` keys given as strings (JSON)
         become ints, numpy scalars become Python numbers.
         """
-        def bad(name, value, rule):
-            raise GenerationConfigError(f"{name}={value!r}: {rule}")
-
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            bad("temperature", self.temperature, "must be a finite number >= 0 (0 is greedy)")
+            _bad("temperature", self.temperature, "must be a finite number >= 0 (0 is greedy)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "must be in (0, 1] (1 disables it)")
+            _bad("top_p", self.top_p, "must be in (0, 1] (1 disables it)")
         if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+            _bad("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
         if not _is_real(self.min_p) or not 0 <= self.min_p < 1:
-            bad("min_p", self.min_p, "must be in [0, 1) (0 disables it)")
+            _bad("min_p", self.min_p, "must be in [0, 1) (0 disables it)")
         if self.repetition_penalty is not None and (
                 not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf):
-            bad("repetition_penalty", self.repetition_penalty,
-                "must be a finite number > 0 (1 or None disables it)")
+            _bad("repetition_penalty", self.repetition_penalty,
+                 "must be a finite number > 0 (1 or None disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is None:
                 setattr(self, name, 0.0)
             elif not _is_real(value) or not math.isfinite(value):
-                bad(name, value, "must be a finite number (0 disables it)")
+                _bad(name, value, "must be a finite number (0 disables it)")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
-                bad(name, value, "must be an integer >= 1")
+                _bad(name, value, "must be an integer >= 1")
         if self.logit_bias is not None:
-            self.logit_bias = _checked_bias(self.logit_bias, vocab_size, bad)
+            self.logit_bias = _checked_bias(self.logit_bias, vocab_size)
         if self.sampler is not None and not callable(self.sampler):
-            bad("sampler", self.sampler, "must be a callable logprobs -> tokens (mlx-lm's form)")
+            _bad("sampler", self.sampler, "must be a callable logprobs -> tokens (mlx-lm's form)")
         if self.logits_processors is not None:
             if callable(self.logits_processors) or isinstance(self.logits_processors, (str, bytes)):
-                bad("logits_processors", self.logits_processors,
-                    "must be a list of callables (tokens, logits) -> logits")
+                _bad("logits_processors", self.logits_processors,
+                     "must be a list of callables (tokens, logits) -> logits")
             try:
                 procs = list(self.logits_processors)
             except TypeError:
-                bad("logits_processors", self.logits_processors,
-                    "must be a list of callables (tokens, logits) -> logits")
+                _bad("logits_processors", self.logits_processors,
+                     "must be a list of callables (tokens, logits) -> logits")
             for proc in procs:
                 if not callable(proc):
-                    bad("logits_processors", proc, "every entry must be callable")
+                    _bad("logits_processors", proc, "every entry must be callable")
             self.logits_processors = procs
         if self.proposal not in PROPOSAL_MODES:
-            bad("proposal", self.proposal, f"must be one of {', '.join(PROPOSAL_MODES)}")
+            _bad("proposal", self.proposal, f"must be one of {', '.join(PROPOSAL_MODES)}")
         if self.proposal == "sample" and self.sampler is not None:
-            bad("proposal", self.proposal, "rejection sampling needs the built-in sampler's "
-                "distribution; use proposal='argmax' with a custom sampler")
+            _bad("proposal", self.proposal, "rejection sampling needs the built-in sampler's "
+                 "distribution; use proposal='argmax' with a custom sampler")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            bad("seed", self.seed, "must be an integer in [0, 2**64)")
+            _bad("seed", self.seed, "must be an integer in [0, 2**64)")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             setattr(self, name, float(getattr(self, name)))
         if self.repetition_penalty is not None:
@@ -138,6 +135,23 @@ class SamplingConfig:
         return self.sampler is None and self.temperature == 0
 
 
+def check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence) -> None:
+    """Raise ``GenerationConfigError`` for a decoding limit outside its range (the loop's own
+    settings, next to the sampling ones :meth:`SamplingConfig.validate` checks)."""
+    if not isinstance(block_size, int) or block_size < 2:
+        _bad("block_size", block_size, "must be an integer >= 2")
+    if not isinstance(max_tokens, int) or max_tokens < 0:
+        _bad("max_tokens", max_tokens, "must be an integer >= 0")
+    if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+        _bad("prefill_step_size", prefill_step_size, "must be >= 1")
+    if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
+        _bad("min_confidence", min_confidence, "must be in [0, 1]")
+
+
+def _bad(name: str, value, rule: str) -> NoReturn:
+    raise GenerationConfigError(f"{name}={value!r}: {rule}")
+
+
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
 
@@ -146,9 +160,9 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _checked_bias(bias, vocab_size, bad) -> dict[int, float]:
+def _checked_bias(bias, vocab_size) -> dict[int, float]:
     if not isinstance(bias, dict):
-        bad("logit_bias", bias, "must be a dict mapping token ids to numbers")
+        _bad("logit_bias", bias, "must be a dict mapping token ids to numbers")
     out: dict[int, float] = {}
     for tok, value in bias.items():
         if _is_int(tok):
@@ -156,15 +170,15 @@ def _checked_bias(bias, vocab_size, bad) -> dict[int, float]:
         elif isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
             tok_id = int(tok)
         else:
-            bad("logit_bias", tok, "keys must be integer token ids")
+            _bad("logit_bias", tok, "keys must be integer token ids")
         if tok_id < 0 or (vocab_size is not None and tok_id >= vocab_size):
             hi = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
-            bad("logit_bias", tok, f"token id outside the vocabulary ({hi})")
+            _bad("logit_bias", tok, f"token id outside the vocabulary ({hi})")
         if tok_id in out:
-            bad("logit_bias", tok, "token id given twice")
+            _bad("logit_bias", tok, "token id given twice")
         # -inf bans a token; +inf or nan would turn the distribution into nan.
         if not _is_real(value) or value == math.inf:
-            bad(f"logit_bias[{tok}]", value, "must be a number (or -inf to ban the token)")
+            _bad(f"logit_bias[{tok}]", value, "must be a number (or -inf to ban the token)")
         out[tok_id] = float(value)
     return out
 
@@ -258,31 +272,37 @@ class BlockSampler:
             return logits
         return logits.at[:, self.bias_ids].add(self.bias_values)
 
-    @staticmethod
-    def _windows(history: list[int], proposals: list[int], rows: int,
-                 size: int) -> list[list[int]]:
-        """Row ``i``'s window: the last ``size`` tokens of ``history + proposals[:i]``."""
-        tail = history[-size:]
-        seq = tail + list(proposals[: rows - 1])
-        return [seq[max(0, len(tail) + i - size):len(tail) + i] for i in range(rows)]
+    def _penalty_counts(self, history: list[int],
+                        earlier: list[int]) -> tuple[list[int], list[list[int]]]:
+        """The ids one row's penalties touch (sorted) and, per penalty, how often each occurs in
+        that penalty's window: the last ``size`` tokens of ``history + earlier``."""
+        windows = [(history[-size:] + earlier)[-size:] for _, _, size in self.penalties]
+        ids = sorted(set().union(*windows))
+        return ids, [[w.count(t) for t in ids] for w in windows]
 
-    @staticmethod
-    def _penalise(values, kind: str, value: float, counts, biggest: int | None):
-        """mlx-lm's penalty ``kind`` where ``counts > 0``, elementwise (MLX or NumPy arrays).
+    def _penalised(self, values, counts: list[list[list[int]]]):
+        """mlx-lm's penalties, in its order, on ``values (R, W)`` where ``counts[k][r][w]`` is how
+        often row ``r``'s id ``w`` occurs in penalty ``k``'s window; elementwise, in the values'
+        dtype.
 
-        ``biggest`` (the largest count) makes the frequency penalty a repeated subtraction, as
-        mlx-lm's scatter-subtract does with duplicate ids; ``None`` multiplies instead.
+        MLX values (the target's rows) are bit-identical to mlx-lm's processors: the frequency
+        penalty is a repeated subtraction, as mlx-lm's scatter-subtract does with duplicate ids.
+        NumPy values (the drafter's rows, float64) multiply the count instead.
         """
-        where = mx.where if isinstance(values, mx.array) else np.where
-        if kind == "repetition":
-            penalised = where(values < 0, values * value, values / value)
-            return where(counts > 0, penalised, values)
-        if kind == "presence":
-            return where(counts > 0, values - value, values)
-        if biggest is None:
-            return values - counts * value
-        for k in range(biggest):
-            values = where(counts > k, values - value, values)
+        on_mx = isinstance(values, mx.array)
+        where = mx.where if on_mx else np.where
+        for (kind, value, _), listed in zip(self.penalties, counts):
+            c = mx.array(listed) if on_mx else np.array(listed, dtype=np.float64)
+            if kind == "repetition":
+                penalised = where(values < 0, values * value, values / value)
+                values = where(c > 0, penalised, values)
+            elif kind == "presence":
+                values = where(c > 0, values - value, values)
+            elif on_mx:
+                for k in range(max(max(row) for row in listed)):
+                    values = where(c > k, values - value, values)
+            else:
+                values = values - c * value
         return values
 
     def process(self, logits: mx.array, history: list[int],
@@ -301,19 +321,16 @@ class BlockSampler:
         known = proposals is not None
         props = list(proposals[: rows - 1]) if known else []
         if self.penalties:
-            windows = [self._windows(history, props, rows, size) if known
-                       else [history[-size:]] * rows for _, _, size in self.penalties]
-            touched = [sorted(set().union(*(w[i] for w in windows))) for i in range(rows)]
-            width = max(len(t) for t in touched)
+            rows_touched = [self._penalty_counts(history, props[:i]) for i in range(rows)]
+            width = max(len(ids) for ids, _ in rows_touched)
             if width:
-                # Pad each row with a copy of its first id (same value, same result).
-                ids = [t + [t[0] if t else 0] * (width - len(t)) for t in touched]
-                idx = mx.array(ids, dtype=mx.int32)
-                values = mx.take_along_axis(logits, idx, axis=-1)
-                for (kind, value, _), w in zip(self.penalties, windows):
-                    counts = [[_count(w[i], t) for t in row] for i, row in enumerate(ids)]
-                    biggest = max(max(r) for r in counts)
-                    values = self._penalise(values, kind, value, mx.array(counts), biggest)
+                # Pad each row with copies of its first id (same value, same count, same result).
+                def pad(xs):
+                    return xs + [xs[0] if xs else 0] * (width - len(xs))
+
+                idx = mx.array([pad(ids) for ids, _ in rows_touched], dtype=mx.int32)
+                counts = [[pad(c[k]) for _, c in rows_touched] for k in range(len(self.penalties))]
+                values = self._penalised(mx.take_along_axis(logits, idx, axis=-1), counts)
                 logits = mx.put_along_axis(logits, idx, values, axis=-1)
         if c.logits_processors:
             full = mx.array(history + props, dtype=mx.int32)
@@ -431,16 +448,11 @@ class BlockSampler:
         for j in range(rows):
             row = source[j]
             if self.penalties:
-                seen = [(history[-size:] + tokens)[-size:] for _, _, size in self.penalties]
-                ids = sorted(set().union(*seen))
+                ids, counts = self._penalty_counts(history, tokens)
                 if ids:
-                    v = row[ids].astype(np.float64)
-                    for (kind, value, _), window in zip(self.penalties, seen):
-                        counts = Counter(window)
-                        cnt = np.array([counts.get(t, 0) for t in ids], dtype=np.float64)
-                        v = self._penalise(v, kind, value, cnt, None)
                     row = row.copy()
-                    row[ids] = v
+                    row[ids] = self._penalised(row[ids].astype(np.float64)[None],
+                                               [[c] for c in counts])[0]
             if not sampled:
                 tokens.append(int(np.argmax(row)))
                 continue
@@ -569,6 +581,3 @@ def _row_dist(ids: np.ndarray | None, scaled: np.ndarray) -> RowDist:
     probs = np.exp(scaled - np.max(scaled))
     return RowDist(ids, probs / probs.sum())
 
-
-def _count(window: list[int], token: int) -> int:
-    return window.count(token)

@@ -13,7 +13,7 @@ from .cost_model import cost_model
 from .errors import GenerationConfigError
 from .prompt_cache import PromptCache
 from .prompts import encode_text
-from .sampling import BlockSampler, SamplingConfig
+from .sampling import BlockSampler, SamplingConfig, check_decode_settings
 from .target import (
     VerifyTrace,
     check_compatible,
@@ -26,7 +26,7 @@ from .target import (
     tree_supported,
 )
 from .tree import walk
-from .verify_policy import POLICIES, Plan, VerifyPolicy, draft_candidates
+from .verify_policy import Plan, VerifyPolicy, check_policy, draft_candidates
 
 
 @dataclass
@@ -152,19 +152,18 @@ def stream_generate(
     measured cost model (:mod:`dflash.cost_model`) and takes plain target steps while speculation
     loses, and verifies draft trees where they are worth more than chains (attention-only targets;
     hybrid targets verify chains); ``"tree"`` verifies a best-first tree of ``tree_budget`` nodes
-    (default 16) every cycle; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to the first block row
-    where the product of the drafter's top probabilities falls below ``min_confidence`` (giving
-    ``min_confidence`` alone selects it). Outputs never depend on the policy.
+    (default 16) every cycle; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to
+    the first block row where the product of the drafter's top probabilities falls below
+    ``min_confidence`` (giving ``min_confidence`` alone selects it). Outputs never depend on the policy.
     """
     parts = target_parts(model)
     check_compatible(parts, draft)
     block_size = draft.block_size if block_size is None else block_size
-    if not isinstance(block_size, int) or block_size < 2:
-        raise GenerationConfigError(f"block_size={block_size!r}: must be an integer >= 2")
-    if not isinstance(max_tokens, int) or max_tokens < 0:
-        raise GenerationConfigError(f"max_tokens={max_tokens!r}: must be an integer >= 0")
-    if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
-        raise GenerationConfigError(f"prefill_step_size={prefill_step_size!r}: must be >= 1")
+    if policy is None:
+        policy = "auto" if min_confidence is None else "confidence"
+    min_confidence = 0.0 if min_confidence is None else min_confidence
+    check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
+    check_policy(policy)
     if proposal is None:
         # Measured on the built-in pair (scripts/bench_sampling.py): sampled proposals accept more
         # at T > 0; at T = 0 both modes are the same. A custom sampler has no q to reject against.
@@ -178,14 +177,6 @@ def stream_generate(
         proposal=proposal, seed=seed)
     cfg.validate(parts.vocab_size)
     stops = _stop_sequences(stop)
-    if policy is None:
-        policy = "auto" if min_confidence is None else "confidence"
-    if policy not in POLICIES:
-        raise GenerationConfigError(f"policy={policy!r}: must be one of {', '.join(POLICIES)}")
-    if min_confidence is None:
-        min_confidence = 0.0
-    if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
-        raise GenerationConfigError(f"min_confidence={min_confidence!r}: must be in [0, 1]")
 
     if isinstance(prompt, str):
         prompt_ids = encode_text(tokenizer, prompt)

@@ -47,6 +47,11 @@ TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_TREE_BUDGET = 16
 
 
+def check_policy(name: str) -> None:
+    if name not in POLICIES:
+        raise GenerationConfigError(f"policy={name!r}: must be one of {', '.join(POLICIES)}")
+
+
 def draft_candidates(draft_logits: mx.array, columns: mx.array | None,
                      k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each block row's ``k`` best ``(log-probabilities, token ids)``, best first (``columns``:
@@ -151,8 +156,7 @@ class VerifyPolicy:
     def __init__(self, name: str, block_size: int, cost: CostModel | None = None,
                  min_confidence: float = 0.0, trees: bool = False,
                  tree_budget: int | None = None):
-        if name not in POLICIES:
-            raise GenerationConfigError(f"policy={name!r}: must be one of {', '.join(POLICIES)}")
+        check_policy(name)
         if name in ("auto", "tree") and cost is None:
             raise GenerationConfigError(f"policy={name!r} needs a cost model")
         if name == "tree" and not trees:

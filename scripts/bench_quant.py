@@ -40,8 +40,9 @@ import mlx.core as mx
 
 from dflash import backend
 from dflash.acceptance import measure_tau
-from dflash.convert import FIXED_PROMPTS, _prompt_ids, build_calibration, convert
-from dflash.drafter import DFlashConfig, build_draft, load_draft, read_weights
+from dflash.checkpoint import read_weights
+from dflash.convert import FIXED_PROMPTS, build_calibration, convert, prompt_token_ids
+from dflash.drafter import DFlashConfig, build_draft, load_draft
 
 DEFAULT_VARIANTS = "src,fp32,8,6,4,mixed_8_4,mixed_6_4,sensitivity"
 
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
         kl, agree = calib.score(draft)
         t0 = time.perf_counter()
         tau = measure_tau(model, tokenizer, draft,
-                          _prompt_ids(tokenizer, prompts, draft.config.vocab_size, seed=0),
+                          prompt_token_ids(tokenizer, prompts, draft.config.vocab_size, seed=0),
                           block_size=args.block_size, max_tokens=args.max_tokens)
         gen_s = time.perf_counter() - t0
         block = args.block_size or draft.block_size

@@ -289,6 +289,20 @@ def test_unsupported_options(hf, tmp_path):
     assert (hf / "model.safetensors").is_file()
 
 
+def test_convert_and_load_draft_refuse_a_broken_folder_alike(tmp_path):
+    """One reader (dflash.checkpoint) serves both: the same error, naming the same file."""
+    src = write_hf_drafter(tmp_path / "idx", layers=1, shards=2)
+    (src / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+    match = "model.safetensors.index.json: malformed"
+    _expect_refusal(src, tmp_path / "out", DraftCheckpointError, match)
+    with pytest.raises(DraftCheckpointError, match=match):
+        load_draft(src)
+    (src / "config.json").write_text("[1, 2]")
+    _expect_refusal(src, tmp_path / "out", DraftCheckpointError, "config.json: expected a JSON")
+    with pytest.raises(DraftCheckpointError, match="config.json: expected a JSON object"):
+        load_draft(src)
+
+
 def test_missing_shard_and_mismatched_shapes(tmp_path):
     src = write_hf_drafter(tmp_path / "sh", layers=1, shards=2)
     missing = sorted(src.glob("model-*.safetensors"))[1]
@@ -412,7 +426,8 @@ def test_cli_arguments(hf, tmp_path):
 
 def test_quantized_modules_are_real_quantized_linears(hf, tmp_path):
     """Without the CPU backend's dequantization the loaded drafter holds QuantizedLinear layers."""
-    from dflash.drafter import DFlashConfig, build_draft, read_weights
+    from dflash.checkpoint import read_weights
+    from dflash.drafter import DFlashConfig, build_draft
 
     dst = tmp_path / "raw"
     convert(hf, dst, quant_recipe="mixed_8_4")

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import (
 from tiny_models import OracleDrafter, write_drafter, write_target
 
 from dflash.errors import GenerationConfigError
-from dflash.sampling import BlockSampler, SamplingConfig
+from dflash.sampling import BlockSampler, SamplingConfig, check_decode_settings
 from dflash.speculative import generate, stream_generate
 
 V = 16
@@ -365,6 +365,20 @@ def test_bad_settings_raise_before_generation(name, value, tiny):
     with pytest.raises(GenerationConfigError, match=name) as err:
         stream_generate(model, draft, None, PROMPT, **{name: value})  # no next(): not started
     assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("block_size", 1), ("block_size", 2.0), ("max_tokens", -1), ("prefill_step_size", 0),
+    ("min_confidence", 1.5), ("min_confidence", float("nan")), ("min_confidence", "x"),
+])
+def test_bad_decode_settings_raise_before_generation(name, value, tiny):
+    model, draft = tiny
+    with pytest.raises(GenerationConfigError, match=f"^{name}="):
+        stream_generate(model, draft, None, PROMPT, **{name: value})
+    settings = dict(block_size=4, max_tokens=8, prefill_step_size=16, min_confidence=0.0)
+    check_decode_settings(**settings)
+    with pytest.raises(GenerationConfigError, match=f"^{name}="):
+        check_decode_settings(**{**settings, name: value})
 
 
 def test_custom_sampler_needs_argmax_proposals(tiny):

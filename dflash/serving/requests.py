@@ -3,9 +3,9 @@
 This layer checks what is HTTP's or OpenAI's own: the JSON shape of each field, the model name,
 the prompt against the context length, and the API's documented limits (``temperature <= 2``,
 penalties in [-2, 2], ``max_tokens >= 1``, at most 16 stop strings). The ranges of the sampling
-settings are checked by the engine's own rules, ``SamplingConfig.validate``, once here so that a
-bad request gets its 400 before it queues; ``block_size`` and ``min_confidence`` are checked by
-the engine when the job starts. Every rejection is an ``APIError`` naming the parameter at fault.
+and decoding settings (``block_size``, ``min_confidence``, ``policy``) are checked by the engine's
+own rules (``SamplingConfig.validate``, ``check_decode_settings``, ``check_policy``) here, so a bad
+request gets its 400 before it queues. Every rejection is an ``APIError`` naming the parameter at fault.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from ..errors import APIError, GenerationConfigError
 from ..prompts import encode_prompt, encode_text
-from ..sampling import SamplingConfig
-from ..verify_policy import POLICIES
+from ..sampling import SamplingConfig, check_decode_settings
+from ..verify_policy import check_policy
 from .reasoning import prompt_opens_reasoning
 
 ENDPOINTS = ("chat", "completions")
@@ -56,6 +56,7 @@ class GenerationSettings:
     block_size: int | None = None
     min_confidence: float | None = None
     policy: str | None = None
+    tree_budget: int | None = None
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of ``dflash.speculative.stream_generate``."""
@@ -67,7 +68,7 @@ class GenerationSettings:
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             seed=s.seed, logit_bias=s.logit_bias, proposal=s.proposal,
             max_tokens=self.max_tokens, stop=self.stop, block_size=self.block_size,
-            min_confidence=self.min_confidence, policy=self.policy)
+            min_confidence=self.min_confidence, policy=self.policy, tree_budget=self.tree_budget)
 
 
 @dataclass
@@ -199,12 +200,17 @@ def generation_settings(body: dict, served: ServedModel, n_prompt: int,
             raise APIError(400, f"{name}={value!r}: must be <= {hi:g}", param=name,
                            code="invalid_value")
     policy = body.get("policy")
-    if policy is not None and policy not in POLICIES:
-        raise APIError(400, f"policy={policy!r}: must be one of {', '.join(POLICIES)}",
-                       param="policy", code="invalid_value")
+    tree_budget = _number(body, "tree_budget", None, integer=True)
+    try:
+        if policy is not None:
+            check_policy(policy)
+        check_decode_settings(block_size if block_size is not None else 2, max_tokens, 1,
+                              _number(body, "min_confidence", 0.0))
+    except GenerationConfigError as e:
+        raise config_error(e) from None
     return GenerationSettings(sampling, max_tokens, stop=stop, block_size=block_size,
                               min_confidence=_number(body, "min_confidence", None),
-                              policy=policy)
+                              policy=policy, tree_budget=tree_budget)
 
 
 def _content_text(content, index: int) -> str:
