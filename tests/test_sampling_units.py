@@ -300,7 +300,7 @@ def test_acceptance_by_position_is_what_the_cycles_did(tiny):
         return j == (c * 2) % 9  # 7 and 8 are never proposed: those cycles accept all
 
     out = generate(model, OracleDrafter(draft, PROMPT + ref + [0] * 16, plant), None, PROMPT,
-                   max_tokens=n, block_size=block)
+                   max_tokens=n, block_size=block, policy="fixed")
     assert out.tokens == ref
     accepted, proposed, generated, cycle, drafted, tokens = (
         [0] * (block - 1), [0] * (block - 1), 1, 0, 0, 0)
