@@ -11,9 +11,10 @@ generation with a (target, drafter, dtype, device, MLX version) measures:
   ones, for a few row counts and two context lengths (linear interpolation between them);
 * ``draft_ms[rows]``: one drafter block pass of ``rows`` rows.
 
-It takes a few seconds (with a progress line) and is cached as JSON under
-``$DFLASH_HOME/calibration/``; a file that is corrupt or was measured on another machine is measured
-again (said once); an unwritable folder keeps the model in memory (said once).
+It takes a few seconds (with a progress line): each shape's fastest of five round-robin timings,
+made monotone in rows, so that a busy machine does not skew single shapes. It is cached as JSON
+under ``$DFLASH_HOME/calibration/``; a file that is corrupt, older than 30 days or measured on
+another machine (or MLX version) is measured again (said once); an unwritable folder keeps the model in memory (said once).
 ``dflash calibrate`` prints the table and a plot.
 """
 
@@ -37,6 +38,7 @@ FORMAT = "dflash-cost/1"
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_ROWS = (2, 4, 8, 16)
 CONTEXTS = (128, 1024)
+MAX_AGE_DAYS = 30  # drivers, thermals and background load change: re-measure now and then
 
 _memory: dict[str, CostModel] = {}
 _lock = threading.Lock()
@@ -122,19 +124,34 @@ def cost_key(parts, draft) -> str:
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return 1000 * times[len(times) // 2]
+def _fastest_ms(fns: list, rounds: int) -> list[float]:
+    """The fastest of ``rounds`` timings of each function, measured round-robin.
+
+    The minimum is what a pass costs when nothing else competes for the machine; taking the
+    shapes in turn spreads any contention over all of them instead of skewing a few.
+    """
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], 1000 * (time.perf_counter() - t))
+    return best
+
+
+def _monotone(values: list[float]) -> list[float]:
+    """More rows never cost less: the running maximum smooths timing noise."""
+    out, top = [], 0.0
+    for v in values:
+        top = max(top, v)
+        out.append(top)
+    return out
 
 
 def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
-            repeats: int = 3, quiet: bool = False) -> CostModel:
+            rounds: int = 5, quiet: bool = False) -> CostModel:
     """Time target passes of ``rows`` rows at ``contexts`` and drafter passes of ``draft_rows``."""
     from .target import forward, make_cache
 
@@ -148,7 +165,7 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
         prompt = (mx.arange(context) % max(2, parts.vocab_size - 1))[None] + 1
         logits, taps = forward(parts, prompt, cache, draft.target_layer_ids)
         mx.eval(logits, [c.state for c in cache])
-        row_ms = []
+        passes = []
         for r in rows:
             tokens = (mx.arange(r) % max(2, parts.vocab_size - 1))[None] + 1
 
@@ -163,13 +180,13 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
                     else:
                         c.cache = state
 
-            row_ms.append(_median_ms(verify, repeats))
-        verify_ms.append(row_ms)
+            passes.append(verify)
+        verify_ms.append(_monotone(_fastest_ms(passes, rounds)))
     dcache = draft.make_cache()
     draft.append_context(taps, dcache)
     mx.eval([c.state for c in dcache])
-    draft_ms = [_median_ms(lambda n=n: mx.eval(draft.block_logits(parts, 1, n, dcache)), repeats)
-                for n in draft_rows]
+    draft_ms = _monotone(_fastest_ms(
+        [lambda n=n: mx.eval(draft.block_logits(parts, 1, n, dcache)) for n in draft_rows], rounds))
     model = CostModel(key=cost_key(parts, draft), machine=machine_id(), rows=list(rows),
                       contexts=list(contexts), verify_ms=verify_ms, draft_rows=list(draft_rows),
                       draft_ms=draft_ms, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -197,6 +214,10 @@ def _read(path: Path, key: str) -> CostModel | None:
             raise ValueError("not a cost model for this pair")
     except (ValueError, TypeError, OSError) as e:
         _say_once(str(path), f"calibration {path} is unreadable ({e}); measuring again")
+        return None
+    age_days = (time.time() - os.path.getmtime(path)) / 86400
+    if age_days > MAX_AGE_DAYS:
+        _say_once(str(path), f"calibration {path} is {age_days:.0f} days old; measuring again")
         return None
     if model.machine != machine_id():
         _say_once(str(path), f"calibration {path} was measured on another machine or MLX "

@@ -295,6 +295,7 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     # Draft: one pass over [anchor, MASK ...] with the new target features as context.
     if bs > 1 and not plain:
         state.sync_drafter(draft)
+        bs = policy.draft_rows(bs)
         draft_logits = draft.block_logits(parts, anchor, bs, state.dcache)
         if policy.name == "fixed":
             plan = Plan(bs - 1)
