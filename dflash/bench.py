@@ -116,7 +116,7 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
                 seed: int, min_confidence: float | None = None,
                 policy: str | None = None) -> dict:
-    from .model_mlx import stream_generate
+    from .speculative import stream_generate
 
     tokens: list[int] = []
     tic = time.perf_counter()

@@ -233,7 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pair = load_pair(args.model, args.draft, log=log)
     ids = encode(pair, {"prompt": prompt}, args)
     check_context(pair, len(ids))
-    from .model_mlx import stream_generate
+    from .speculative import stream_generate
 
     responses = stream_generate(
         pair.model, pair.draft, pair.tokenizer, ids,
@@ -272,7 +272,8 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 def cmd_chat(args: argparse.Namespace) -> int:
     pair = load_pair(args.model, args.draft, log=log)
-    from .model_mlx import PromptCache, stream_generate
+    from .prompt_cache import PromptCache
+    from .speculative import stream_generate
 
     prompt_cache = PromptCache()  # later turns prefill only what the conversation added
     interactive = sys.stdin.isatty()

@@ -58,9 +58,9 @@ from .checkpoint import (
 )
 from .drafter import DFlashConfig, DFlashDraftModel, build_draft, load_draft
 from .errors import DFlashError, DraftCheckpointError
-from .model_mlx import load as load_target_model
 from .prompts import encode_prompt, read_prompts
 from .target import TargetParts, check_compatible, forward, make_cache, target_parts
+from .target import load_target as load_target_model
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)

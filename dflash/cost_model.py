@@ -11,7 +11,7 @@ generation with a (target, drafter, dtype, device, MLX version) measures:
   ones, for a few row counts and two context lengths (linear interpolation between them);
 * ``draft_ms[rows]``: one drafter block pass of ``rows`` rows.
 
-It takes a few seconds (with a progress line): each shape's fastest of five round-robin timings,
+It takes a few seconds (with a progress line): each shape's fastest of three round-robin timings,
 made monotone in rows, so that a busy machine does not skew single shapes. It is cached as JSON
 under ``$DFLASH_HOME/calibration/``; a file that is corrupt, older than 30 days or measured on
 another machine (or MLX version) is measured again (said once); an unwritable folder keeps the model in memory (said once).
@@ -151,7 +151,7 @@ def _monotone(values: list[float]) -> list[float]:
 
 
 def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
-            rounds: int = 5, quiet: bool = False) -> CostModel:
+            rounds: int = 3, quiet: bool = False) -> CostModel:
     """Time target passes of ``rows`` rows at ``contexts`` and drafter passes of ``draft_rows``."""
     from .target import forward, make_cache
 

@@ -90,8 +90,9 @@ def load_pair(model: str | None = None, draft: str | None = None,
 
     ``log`` receives progress lines (``None``: silent).
     """
-    from .model_mlx import load, load_draft
+    from .drafter import load_draft
     from .target import check_compatible, target_parts
+    from .target import load_target as load
 
     model, draft = default_paths(model, draft)
     model = check_model_path(str(model), "--model")

@@ -20,8 +20,20 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from . import backend
 from .errors import IncompatibleDraftError, UnsupportedTargetError
 from .tree import DraftTree
+
+
+def load_target(path_or_hf_repo: str, tokenizer_config: dict | None = None, **kwargs):
+    """Load a target model and its tokenizer through mlx-lm, ready for this machine's backend
+    (float32 and dequantized on the CPU; as stored on Metal and CUDA)."""
+    from mlx_lm import load as mlx_lm_load
+
+    model, tokenizer = mlx_lm_load(str(path_or_hf_repo), tokenizer_config=tokenizer_config or {},
+                                   **kwargs)
+    backend.prepare_for_backend(model)
+    return model, tokenizer
 
 
 @dataclass

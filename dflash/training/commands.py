@@ -12,7 +12,7 @@ from pathlib import Path
 from ..console import log
 from ..default_pair import default_target_path
 from ..errors import TrainConfigError
-from ..model_mlx import load
+from ..target import load_target as load
 from ..target import target_parts
 from .features import FeatureStore, precompute_features
 from .options import TrainOptions, add_arguments, from_args

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from ..console import log
 from ..default_pair import default_target_path
 from ..errors import DataSetError, DFlashError
-from ..model_mlx import load
 from ..prompts import encode_prompt, read_prompts
+from ..target import load_target as load
 from ..target import target_parts
 from ..workers import run_per_core
 from .capture import RolloutEngine

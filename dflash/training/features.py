@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from ..model_mlx import load
 from ..target import forward, make_cache, target_parts
+from ..target import load_target as load
 from ..workers import run_per_core
 from .data import Sample, read_samples
 

@@ -126,7 +126,7 @@ def write_user_turns(target: str, out: str | Path, n: int, *, seed: int = 0,
 
     Gives up after ``max_attempts`` sampled turns (default ``20 * n + 64``): a target that does not
     write usable user turns raises :class:`DataSetError` instead of looping forever."""
-    from ..model_mlx import load
+    from ..target import load_target as load
     from ..target import target_parts
     from .capture import RolloutEngine
 

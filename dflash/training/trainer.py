@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..console import log
 from ..drafter import DFlashConfig, DFlashDraftModel
 from ..errors import TrainConfigError, TrainingDataError
-from ..model_mlx import load
+from ..target import load_target as load
 from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
