@@ -110,16 +110,25 @@ def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
     return np.take_along_axis(vals, order, axis=1), np.take_along_axis(idx, order, axis=1)
 
 
+def node_kinds(tree: DraftTree) -> list[str]:
+    """``spine`` (the best candidate of its row, below spine nodes only), ``sibling`` (a runner-up
+    below spine nodes) or ``branch`` (below a runner-up): the drafter's rows are conditioned on
+    its own best path, so its marginals fit a node less the further it is off that path."""
+    kinds = ["spine"] * len(tree)
+    for i in range(1, len(tree)):
+        parent = kinds[tree.parents[i]]
+        kinds[i] = "branch" if parent != "spine" else ("spine" if tree.ranks[i] == 0 else "sibling")
+    return kinds
+
+
 def spine_length(tree: DraftTree, nodes: list[int] | None = None) -> int:
     """How many of ``nodes`` (default: the whole tree in pop order; else an accepted path), from
-    the first, lie on the spine (every node and ancestor the best candidate of its row)."""
-    on_spine = [True] * len(tree)
-    for i in range(1, len(tree)):
-        on_spine[i] = tree.ranks[i] == 0 and on_spine[tree.parents[i]]
+    the first, are spine nodes."""
+    spine = [k == "spine" for k in node_kinds(tree)]
     if nodes is None:
-        return sum(on_spine[1:])
+        return sum(spine[1:])
     n = 0
-    while n < len(nodes) and on_spine[nodes[n]]:
+    while n < len(nodes) and spine[nodes[n]]:
         n += 1
     return n
 
