@@ -48,6 +48,9 @@ BINS = 10
 PRIOR = 2.0  # pseudo-observations of the raw confidence per bin
 EMA = 0.3  # weight of the newest cycle in the running speculative rate
 MAX_BACKOFF = 64
+# Speculation must beat a plain step by this factor: the cost model times the passes, not the
+# host work around them (candidates, planning, bookkeeping), and its estimates are noisy.
+MARGIN = 1.1
 TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_TREE_BUDGET = 16
 
@@ -300,7 +303,7 @@ class VerifyPolicy:
             return
         rate = self.expected
         self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
-        if self.rate < 1.0 / self.cost.verify(1, self.context):
+        if self.rate < MARGIN / self.cost.verify(1, self.context):
             self.losses += 1
             self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
             self.rate = None  # the probe after the plain stretch decides afresh
