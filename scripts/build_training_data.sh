@@ -6,7 +6,8 @@
 # to keep, the features can be recomputed from them.
 #
 # Usage: bash scripts/build_training_data.sh [ROUNDS]   (each round adds ~1,000 math, ~700 chat,
-#        ~500 code records; default 3 rounds)
+#        ~500 code records; default 3 rounds). Save the token records into the repository with
+#        python scripts/snapshot_training_data.py "$DFLASH_HOME/data/smollm2"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,6 +23,9 @@ mkdir -p "$D"
 [ -f "$D/gsm8k-train-part.jsonl" ] || head -n 7273 "$GSM8K" > "$D/gsm8k-train-part.jsonl"
 [ -f "$D/gsm8k-heldout.jsonl" ] || tail -n 200 "$GSM8K" > "$D/gsm8k-heldout.jsonl"
 [ -f "$D/code-prompts.jsonl" ] || $PY scripts/make_code_prompts.py "$D/code-prompts.jsonl" --seed 0
+# On a new machine, start from the token records kept in the repository (datasets/smollm2/):
+# datagen skips them; training recomputes their features (dflash train --features-only).
+ls "$D"/gen-*/gen-*.jsonl >/dev/null 2>&1 || $PY scripts/snapshot_training_data.py "$D" --restore
 
 gen() {  # gen PROMPTS OUT DOMAIN LIMIT
   $PY -m dflash datagen --prompts "$1" --out "$2" --domain "$3" --limit "$4" \
