@@ -489,14 +489,21 @@ def _tree_report(name: str, run: TreeRun, stat, df, p):
           f"accepted={run.accepted} (off the spine: {run.off_spine})")
 
 
-@pytest.mark.parametrize("case", TREE_CASES)
-def test_tree_walk_matches_target_only_distribution(case, pair, raw_table, raw_np, monkeypatch):
-    """Sample-and-walk through trees: penalties see each node's own path, filters apply per node."""
+def tree_chi_square(name: str, case: str, pair, raw_table, raw_np, monkeypatch):
+    """``run_tree`` on ``CASES[case]`` and its chi-square against the exact joint (reported)."""
     settings = CASES[case]
     joint = exact_joint(reference_next(raw_table, settings))
     run = run_tree(pair, raw_np, settings, monkeypatch)
     stat, df, p = chi_square(run.sequences, joint)
-    _tree_report(f"tree/{case}", run, stat, df, p)
+    _tree_report(name, run, stat, df, p)
+    return run, stat, df, p
+
+
+@pytest.mark.parametrize("case", TREE_CASES)
+def test_tree_walk_matches_target_only_distribution(case, pair, raw_table, raw_np, monkeypatch):
+    """Sample-and-walk through trees: penalties see each node's own path, filters apply per node."""
+    run, stat, df, p = tree_chi_square(f"tree/{case}", case, pair, raw_table, raw_np,
+                                       monkeypatch)
     assert p >= ALPHA, f"tree/{case}: chi2={stat:.1f} on {df} df, p={p:.2e}"
     # Trees were verified, accepted often, and often through runner-up branches.
     assert run.tree_cycles >= N and run.accepted >= 0.5 * run.tree_cycles
@@ -524,12 +531,9 @@ TREE_BROKEN = {
 @pytest.mark.parametrize("name", list(TREE_BROKEN))
 def test_broken_tree_walk_fails_the_same_test(name, pair, raw_table, raw_np, monkeypatch):
     case, breaks = TREE_BROKEN[name]
-    settings = CASES[case]
-    joint = exact_joint(reference_next(raw_table, settings))
     cost_model(target_parts(pair[0]), pair[1])  # measured (if at all) before anything breaks
     breaks(monkeypatch)
-    run = run_tree(pair, raw_np, settings, monkeypatch)
-    stat, df, p = chi_square(run.sequences, joint)
-    _tree_report(f"BROKEN tree {name}", run, stat, df, p)
+    _, stat, df, p = tree_chi_square(f"BROKEN tree {name}", case, pair, raw_table, raw_np,
+                                     monkeypatch)
     print(f"power at this effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
     assert p < ALPHA, f"the test missed {name}: p={p:.3g}"
