@@ -56,6 +56,9 @@ def check_tree_budget(tree_budget: int | None, cost: CostModel | None) -> int:
     """Raise unless ``tree_budget`` is ``None`` or within the cost model's measured rows (no cost
     model: nothing is in range); the largest budget allowed."""
     most = (max(cost.rows) - 1) if cost is not None else 0
+    if tree_budget is not None and cost is None:  # not "from 1 to 0"
+        raise GenerationConfigError(
+            f"tree_budget={tree_budget!r}: only with policy 'tree' (or 'auto')")
     if tree_budget is not None and not (isinstance(tree_budget, int) and
                                         1 <= tree_budget <= most):
         raise GenerationConfigError(

@@ -59,6 +59,13 @@ def test_bad_tree_budget_is_refused_at_call_time(policy, budget, qwen3):
         stream_generate(model, draft, tokenizer, prompt, policy=policy, tree_budget=budget)
 
 
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+def test_tree_budget_without_trees_is_refused_at_call_time(policy, qwen3):
+    model, tokenizer, draft, prompt, _ = qwen3
+    with pytest.raises(GenerationConfigError, match="tree_budget=4: only with policy 'tree'"):
+        stream_generate(model, draft, tokenizer, prompt, policy=policy, tree_budget=4)
+
+
 def test_tree_budget_at_both_ends_of_the_range(qwen3):
     model, tokenizer, draft, prompt, ref = qwen3
     for budget in (1, 31):
