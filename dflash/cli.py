@@ -1,4 +1,4 @@
-"""The ``dflash`` command: generate, chat, serve, bench (and convert, datagen, train).
+"""The ``dflash`` command: generate, chat, serve, bench, calibrate (and convert, datagen, train).
 
 Every subcommand has ``--help``. Errors a user can fix (a missing folder, a drafter that does not fit
 the target, a setting out of range) print one line on stderr and exit 1; an unavailable subcommand
@@ -404,6 +404,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure (or read) this machine's verify and draft costs for the pair; print the table."""
+    from . import cost_model as costs  # MLX loads only for the commands that run models
+    from .target import target_parts
+
+    pair = load_pair(args.model, args.draft, log=log)
+    parts = target_parts(pair.model)
+    model = costs.cost_model(parts, pair.draft, refresh=args.refresh)
+    log(f"calibration {costs.calibration_file(model.key)} (measured {model.measured_at})")
+    print(costs.format_table(model), flush=True)
+    if args.out is not None:
+        files = costs.write_calibration(model, args.out)
+        log("wrote " + ", ".join(str(p) for p in files.values()))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Parser
 
@@ -489,6 +505,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="folder for bench.json, bench.md and the PNG plots")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("calibrate", help="measure this machine's verify and draft costs",
+                       description="Print the cost model the auto policy decides with: one "
+                       "target pass over N rows (ms, and in one-token steps) at each measured "
+                       "context, and one drafter pass per block length. Measured once per "
+                       "machine and pair, then read from $DFLASH_HOME/calibration.")
+    add_model_args(p)
+    p.add_argument("--refresh", action="store_true", help="measure again, even if cached")
+    p.add_argument("--out", default=None,
+                   help="folder for calibration.json and calibration.png (verify cost "
+                        "against rows; needs matplotlib)")
+    p.set_defaults(func=cmd_calibrate)
 
     chosen = _chosen_command(argv or [])
     for name, (_, _, _, help_text) in EXTERNAL.items():

@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from .console import log
+from .errors import MissingDependencyError
 
 FORMAT = "dflash-cost/1"
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -203,6 +204,15 @@ def calibration_dir() -> Path:
     return cache_dir() / "calibration"
 
 
+def calibration_file(key: str) -> Path:
+    """Where the cost model of the pair with this :func:`cost_key` is cached."""
+    return calibration_dir() / f"{key}.json"
+
+
+def to_json(model: CostModel) -> str:
+    return json.dumps(asdict(model), indent=1) + "\n"
+
+
 def _read(path: Path, key: str) -> CostModel | None:
     """The cached model, or ``None`` (and why, once) when it is missing, corrupt or foreign."""
     if not path.is_file():
@@ -233,17 +243,74 @@ def cost_model(parts, draft, refresh: bool = False, quiet: bool = False) -> Cost
     with _lock:
         if not refresh and key in _memory:
             return _memory[key]
-        path = calibration_dir() / f"{key}.json"
+        path = calibration_file(key)
         model = None if refresh else _read(path, key)
         if model is None:
             model = measure(parts, draft, quiet=quiet)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(asdict(model), indent=1) + "\n")
+                tmp.write_text(to_json(model))
                 os.replace(tmp, path)
             except OSError as e:
                 _say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
                           "keeping it in memory for this process")
         _memory[key] = model
         return model
+
+
+# ---------------------------------------------------------------------------------------------
+# The table and the plot of ``dflash calibrate``
+
+
+def format_table(model: CostModel) -> str:
+    """The measured costs as text: each verify row count's milliseconds and its cost in one-token
+    steps at each measured context, then the drafter's milliseconds per block length."""
+    cols = [f"{name}@{c}" for c in model.contexts for name in ("ms", "x_step")]
+    lines = ["verify: one target pass over ROWS new tokens after CONTEXT cached ones "
+             "(x_step: in one-token steps at that context)",
+             "rows " + "".join(f"{c:>13}" for c in cols)]
+    for row in model.table():
+        values = [row[f"{name}@{c}"] for c in model.contexts
+                  for name in ("verify_ms", "x_step")]
+        lines.append(f"{row['rows']:>4} " + "".join(f"{v:>13.2f}" for v in values))
+    lines += ["", "draft: one drafter block pass", "block_rows          ms"]
+    lines += [f"{n:>10} {ms:>11.2f}" for n, ms in zip(model.draft_rows, model.draft_ms)]
+    return "\n".join(lines)
+
+
+def write_calibration(model: CostModel, out: str | Path) -> dict[str, Path]:
+    """``calibration.json`` and ``calibration.png`` (verify cost against rows) in ``out``.
+
+    Raises :class:`~dflash.errors.MissingDependencyError` (after writing the JSON) when matplotlib
+    is missing.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "calibration.json"}
+    files["json"].write_text(to_json(model))
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError(
+            f"the plot needs matplotlib (pip install 'dflash[bench]'); wrote {files['json']} "
+            "only") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ms_ax, step_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for c, row_ms in zip(model.contexts, model.verify_ms):
+        ms_ax.plot(model.rows, row_ms, marker="o", label=f"after {c} tokens")
+        step_ax.plot(model.rows, [ms / row_ms[0] for ms in row_ms], marker="o",
+                     label=f"after {c} tokens")
+    ms_ax.set_ylabel("verify pass (ms)")
+    step_ax.set_ylabel("verify pass (one-token steps)")
+    for ax in (ms_ax, step_ax):
+        ax.set_xlabel("rows verified in one target pass")
+        ax.legend()
+    fig.suptitle("verify cost against rows on this machine")
+    fig.tight_layout()
+    files["png"] = out / "calibration.png"
+    fig.savefig(files["png"], dpi=120)
+    plt.close(fig)
+    return files

@@ -26,7 +26,13 @@ from .target import (
     tree_supported,
 )
 from .tree import walk
-from .verify_policy import Plan, VerifyPolicy, check_policy, draft_candidates
+from .verify_policy import (
+    Plan,
+    VerifyPolicy,
+    check_policy,
+    check_tree_budget,
+    draft_candidates,
+)
 
 
 @dataclass
@@ -164,6 +170,9 @@ def stream_generate(
     min_confidence = 0.0 if min_confidence is None else min_confidence
     check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
     check_policy(policy)
+    if tree_budget is not None:  # now, not at the first token: its range is the cost model's
+        check_tree_budget(tree_budget, cost_model(parts, draft) if policy in ("auto", "tree")
+                          else None)
     if proposal is None:
         # Measured on the built-in pair (scripts/bench_sampling.py): sampled proposals accept more
         # at T > 0; at T = 0 both modes are the same. A custom sampler has no q to reject against.

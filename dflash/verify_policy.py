@@ -60,6 +60,21 @@ def check_policy(name: str) -> None:
         raise GenerationConfigError(f"policy={name!r}: must be one of {', '.join(POLICIES)}")
 
 
+def check_tree_budget(tree_budget: int | None, cost: CostModel | None) -> int:
+    """Raise unless ``tree_budget`` is ``None`` or within the cost model's measured rows (no cost
+    model: nothing is in range); the largest budget allowed."""
+    most = (max(cost.rows) - 1) if cost is not None else 0
+    if tree_budget is not None and cost is None:  # not "from 1 to 0"
+        raise GenerationConfigError(
+            f"tree_budget={tree_budget!r}: only with policy 'tree' (or 'auto')")
+    if tree_budget is not None and not (isinstance(tree_budget, int) and
+                                        1 <= tree_budget <= most):
+        raise GenerationConfigError(
+            f"tree_budget={tree_budget!r}: must be an integer from 1 to {most} (the cost "
+            "model's measured range)")
+    return most
+
+
 def draft_candidates(draft_logits: mx.array, columns: mx.array | None,
                      k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each block row's ``k`` best ``(log-probabilities, token ids)``, best first (``columns``:
@@ -201,12 +216,7 @@ class VerifyPolicy:
             raise GenerationConfigError(
                 "policy='tree': this target has recurrent layers (or caches) that cannot verify "
                 "a tree; it verifies chains (policy 'auto', 'fixed' or 'confidence')")
-        most = (max(cost.rows) - 1) if cost is not None else 0
-        if tree_budget is not None and not (isinstance(tree_budget, int) and
-                                            1 <= tree_budget <= most):
-            raise GenerationConfigError(
-                f"tree_budget={tree_budget!r}: must be an integer from 1 to {most} (the cost "
-                "model's measured range)")
+        most = check_tree_budget(tree_budget, cost)
         self.name, self.cost, self.min_confidence = name, cost, float(min_confidence)
         self.tree_budget = tree_budget or min(DEFAULT_TREE_BUDGET, most)
         self.budgets = [b for b in TREE_BUDGETS if b <= most] if trees and name == "auto" else []

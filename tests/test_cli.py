@@ -21,10 +21,10 @@ ENV = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
 ENV.pop("DFLASH_DEBUG", None)
 
 
-def run(*args, input=None, timeout=180):
+def run(*args, input=None, timeout=180, env=None):
     return subprocess.run([sys.executable, "-m", "dflash", *map(str, args)], cwd=ROOT,
                           input=input, capture_output=True, text=True, encoding="utf-8",
-                          env=ENV, timeout=timeout)
+                          env=dict(ENV, **(env or {})), timeout=timeout)
 
 
 def one_error_line(p, code=1):
@@ -260,3 +260,69 @@ def test_ctrl_c_exits_130_without_traceback(pair):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert b"Traceback" not in err and b"interrupted" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# calibrate
+
+
+def calibration_table(stdout: str) -> tuple[dict[int, list[float]], dict[int, float]]:
+    """``(verify rows -> [ms, x_step per context...], draft block rows -> ms)`` as printed."""
+    verify, draft, section = {}, {}, None
+    for line in stdout.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0] in ("rows", "block_rows"):
+            section = words[0]
+        elif words[0].isdigit() and section == "rows":
+            verify[int(words[0])] = [float(w) for w in words[1:]]
+        elif words[0].isdigit() and section == "block_rows":
+            draft[int(words[0])] = float(words[1])
+    return verify, draft
+
+
+def assert_table_matches(stdout: str, cached: dict) -> None:
+    verify, draft = calibration_table(stdout)
+    assert sorted(verify) == cached["rows"] and sorted(draft) == cached["draft_rows"]
+    for i, rows in enumerate(cached["rows"]):
+        for c, ms in enumerate(cached["verify_ms"]):
+            assert verify[rows][2 * c] == pytest.approx(ms[i], abs=0.006)
+            assert verify[rows][2 * c + 1] == pytest.approx(ms[i] / ms[0], abs=0.006)
+    for n, ms in zip(cached["draft_rows"], cached["draft_ms"]):
+        assert draft[n] == pytest.approx(ms, abs=0.006)
+
+
+def test_calibrate_prints_the_cached_cost_model_and_writes_a_plot(pair, tmp_path):
+    target, draft = pair
+    env = {"DFLASH_HOME": str(tmp_path / "home")}
+    out = tmp_path / "out"
+    p = run("calibrate", "--model", target, "--draft", draft, "--out", out, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "measuring this machine's verify and draft costs" in p.stderr
+    (cached_file,) = (tmp_path / "home" / "calibration").glob("*.json")
+    cached = json.loads(cached_file.read_text())
+    assert_table_matches(p.stdout, cached)
+    assert json.loads((out / "calibration.json").read_text()) == cached
+    assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Again: read from the cache, not measured; the same table.
+    again = run("calibrate", "--model", target, "--draft", draft, env=env)
+    assert again.returncode == 0 and "measuring" not in again.stderr, again.stderr
+    assert again.stdout == p.stdout
+    # --refresh measures again and replaces the cached file.
+    fresh = run("calibrate", "--model", target, "--draft", draft, "--refresh", env=env)
+    assert fresh.returncode == 0 and "measuring" in fresh.stderr, fresh.stderr
+    assert_table_matches(fresh.stdout, json.loads(cached_file.read_text()))
+
+
+def test_calibrate_without_matplotlib_is_one_error_line(pair, tmp_path):
+    target, draft = pair
+    stub = tmp_path / "stub" / "matplotlib"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    env = {"DFLASH_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(stub.parent), ENV.get("PYTHONPATH", "")])}
+    p = run("calibrate", "--model", target, "--draft", draft, "--out", tmp_path / "out", env=env)
+    assert "matplotlib" in one_error_line(p)
+    assert (tmp_path / "out" / "calibration.json").is_file()
+    assert "rows" in p.stdout  # the table came first

@@ -43,9 +43,12 @@ from scipy import stats as sps
 from tiny_models import write_drafter, write_target
 
 from dflash import speculative
+from dflash.cost_model import cost_model
 from dflash.drafter import load_draft
 from dflash.sampling import BlockSampler
 from dflash.speculative import stream_generate
+from dflash.target import target_parts
+from dflash.tree import DraftTree
 
 V = 8  # vocabulary
 K = 4  # generated tokens compared (the joint has V**K cells)
@@ -432,4 +435,105 @@ def test_broken_sampler_fails_the_same_test(name, pair, raw_table, raw_np, monke
               f"{1 - (1 - impossible.mean()) ** N:.6f}")
     else:
         print(f"power at this effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
+    assert p < ALPHA, f"the test missed {name}: p={p:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees: one draw per node from the target given the node's own path, then the walk
+
+
+TREE_BUDGET = 6  # of at most 3 rows x 8 candidates: runner-up branches at every depth
+TREE_CASES = ("temperature", "filters", "penalties", "card")
+
+
+@dataclass
+class TreeRun:
+    sequences: np.ndarray  # (N, K) token ids
+    tree_cycles: int
+    cycles: int
+    accepted: int  # drafted tokens accepted over all cycles
+    off_spine: int  # of those, nodes that were not their row's best candidate
+
+
+def run_tree(pair, raw_np, settings: dict, monkeypatch, n: int = N) -> TreeRun:
+    """``n`` generations of ``K`` tokens with ``policy="tree"``; the walk is watched."""
+    model, draft = pair
+    walk = speculative.walk
+    seen = {"accepted": 0, "off_spine": 0}
+
+    def watched(tree, targets):
+        path, bonus = walk(tree, targets)
+        seen["accepted"] += len(path)
+        seen["off_spine"] += sum(tree.ranks[i] > 0 for i in path)
+        return path, bonus
+
+    monkeypatch.setattr(speculative, "walk", watched)
+    seqs = np.zeros((n, K), dtype=np.int64)
+    tree_cycles = cycles = 0
+    for s in range(n):
+        tokens, last = [], None
+        for r in stream_generate(model, TableDrafter(draft, raw_np), None, PROMPT,
+                                 block_size=BLOCK, max_tokens=K, seed=s, policy="tree",
+                                 tree_budget=TREE_BUDGET, **settings):
+            tokens += r.tokens
+            last = r
+        seqs[s] = tokens
+        tree_cycles += last.tree_cycles
+        cycles += last.cycles
+    return TreeRun(seqs, tree_cycles, cycles, seen["accepted"], seen["off_spine"])
+
+
+def _tree_report(name: str, run: TreeRun, stat, df, p):
+    print(f"\n{name}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against chi-square "
+          f"divergence >= {detectable(df):.3f}) tree cycles={run.tree_cycles}/{run.cycles} "
+          f"accepted={run.accepted} (off the spine: {run.off_spine})")
+
+
+def tree_chi_square(name: str, case: str, pair, raw_table, raw_np, monkeypatch):
+    """``run_tree`` on ``CASES[case]`` and its chi-square against the exact joint (reported)."""
+    settings = CASES[case]
+    joint = exact_joint(reference_next(raw_table, settings))
+    run = run_tree(pair, raw_np, settings, monkeypatch)
+    stat, df, p = chi_square(run.sequences, joint)
+    _tree_report(name, run, stat, df, p)
+    return run, stat, df, p
+
+
+@pytest.mark.parametrize("case", TREE_CASES)
+def test_tree_walk_matches_target_only_distribution(case, pair, raw_table, raw_np, monkeypatch):
+    """Sample-and-walk through trees: penalties see each node's own path, filters apply per node."""
+    run, stat, df, p = tree_chi_square(f"tree/{case}", case, pair, raw_table, raw_np,
+                                       monkeypatch)
+    assert p >= ALPHA, f"tree/{case}: chi2={stat:.1f} on {df} df, p={p:.2e}"
+    # Trees were verified, accepted often, and often through runner-up branches.
+    assert run.tree_cycles >= N and run.accepted >= 0.5 * run.tree_cycles
+    assert run.off_spine >= 0.1 * run.accepted, (run.off_spine, run.accepted)
+
+
+def _bonus_from_the_root(walk):
+    def broken(tree, targets):
+        path, _ = walk(tree, targets)
+        return path, targets[0]
+
+    return broken
+
+
+TREE_BROKEN = {
+    # Every node's penalties see the committed history only, not the node's own path.
+    "path-blind-processors/penalties": ("penalties", lambda m: m.setattr(
+        DraftTree, "path_to", lambda self, node: [])),
+    # The token after the accepted path is drawn from the root's row, not the last node's.
+    "bonus-from-the-root/temperature": ("temperature", lambda m: m.setattr(
+        speculative, "walk", _bonus_from_the_root(speculative.walk))),
+}
+
+
+@pytest.mark.parametrize("name", list(TREE_BROKEN))
+def test_broken_tree_walk_fails_the_same_test(name, pair, raw_table, raw_np, monkeypatch):
+    case, breaks = TREE_BROKEN[name]
+    cost_model(target_parts(pair[0]), pair[1])  # measured (if at all) before anything breaks
+    breaks(monkeypatch)
+    _, stat, df, p = tree_chi_square(f"BROKEN tree {name}", case, pair, raw_table, raw_np,
+                                     monkeypatch)
+    print(f"power at this effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
     assert p < ALPHA, f"the test missed {name}: p={p:.3g}"

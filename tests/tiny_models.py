@@ -146,3 +146,35 @@ class OracleDrafter:
         self.cycle += 1
         one_hot = mx.zeros((len(rows), vocab)).at[mx.arange(len(rows)), mx.array(rows)].add(30.0)
         return one_hot + 0 * real
+
+
+class RankedOracleDrafter(OracleDrafter):
+    """An oracle whose true next token sits at rank ``rank(cycle, j)`` of block row ``j`` (0: the
+    best), behind that many wrong tokens: a chain rejects at the first row of rank > 0, a draft
+    tree can still accept through the runner-up branches.
+
+    Row logits: the wrong tokens ``tok+1, tok+2, ...`` at 30, 29.5, ..., the true token next, every
+    other token at 0 (so only the planted candidates carry probability).
+    """
+
+    def __init__(self, draft, reference: list[int], rank):
+        super().__init__(draft, reference, lambda cycle, j: False)
+        self.rank = rank
+
+    def block_logits(self, target, anchor: int, block_len: int, cache) -> mx.array:
+        real = self.inner.block_logits(target, anchor, block_len, cache)
+        pos = cache[0].offset
+        vocab = real.shape[-1]
+        rows, cols, vals = [], [], []
+        for j in range(1, block_len):
+            idx = pos + j
+            tok = self.reference[idx] if idx < len(self.reference) else 0
+            r = self.rank(self.cycle, j - 1)
+            for i in range(r + 1):  # wrong tokens first, then the true one
+                rows.append(j - 1)
+                cols.append((tok + 1 + i) % vocab if i < r else tok)
+                vals.append(30.0 - 0.5 * i)
+        self.cycle += 1
+        planted = mx.zeros((block_len - 1, vocab)).at[mx.array(rows), mx.array(cols)].add(
+            mx.array(vals))
+        return planted + 0 * real

@@ -1,0 +1,141 @@
+"""Bad input around the verify policy: unknown policy names and tree budgets are refused when
+``stream_generate`` is called, before any token; the calibration cache survives being corrupt,
+foreign or unwritable (measured again or kept in memory, said once, generation unaffected)."""
+
+from __future__ import annotations
+
+# isort: off
+import dflash  # noqa: F401  (OpenBLAS before mlx)
+# isort: on
+import json
+import os
+
+import pytest
+from test_engine import chat_prompt, reference
+
+from dflash import cost_model as costs
+from dflash.errors import GenerationConfigError
+from dflash.model_mlx import generate, stream_generate
+from dflash.target import target_parts
+
+N = 12
+MEASURING = "measuring this machine's verify and draft costs"
+
+
+@pytest.fixture(scope="module")
+def qwen3(loaded_pair):
+    """Loaded before any test moves DFLASH_HOME (the tiny models take their tokenizer from it)."""
+    model, tokenizer, draft = loaded_pair("qwen3")
+    prompt = chat_prompt(tokenizer)
+    return model, tokenizer, draft, prompt, reference(model, prompt, n=N)
+
+
+@pytest.fixture
+def home(qwen3, tmp_path, monkeypatch):
+    """A fresh DFLASH_HOME, nothing in memory, nothing said yet."""
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(costs, "_memory", {})
+    monkeypatch.setattr(costs, "_said", set())
+    return tmp_path / "home"
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy and tree budget
+
+
+def test_unknown_policy_is_refused_at_call_time(qwen3):
+    model, tokenizer, draft, prompt, _ = qwen3
+    with pytest.raises(GenerationConfigError, match="policy='greedy-tree'"):
+        stream_generate(model, draft, tokenizer, prompt, policy="greedy-tree")  # no next()
+
+
+@pytest.mark.parametrize("policy", ["tree", "auto"])
+@pytest.mark.parametrize("budget", [0, -3, 32, 1000, 2.5, "8"])
+def test_bad_tree_budget_is_refused_at_call_time(policy, budget, qwen3):
+    model, tokenizer, draft, prompt, _ = qwen3
+    most = max(costs.cost_model(target_parts(model), draft).rows) - 1
+    assert most == 31
+    with pytest.raises(GenerationConfigError, match=r"tree_budget=.*from 1 to 31"):
+        stream_generate(model, draft, tokenizer, prompt, policy=policy, tree_budget=budget)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+def test_tree_budget_without_trees_is_refused_at_call_time(policy, qwen3):
+    model, tokenizer, draft, prompt, _ = qwen3
+    with pytest.raises(GenerationConfigError, match="tree_budget=4: only with policy 'tree'"):
+        stream_generate(model, draft, tokenizer, prompt, policy=policy, tree_budget=4)
+
+
+def test_tree_budget_at_both_ends_of_the_range(qwen3):
+    model, tokenizer, draft, prompt, ref = qwen3
+    for budget in (1, 31):
+        out = generate(model, draft, tokenizer, prompt, max_tokens=N, policy="tree",
+                       tree_budget=budget)
+        assert out.tokens == ref
+
+
+# ---------------------------------------------------------------------------------------------
+# The calibration cache
+
+
+def _generate_fresh(qwen3) -> None:
+    """One generation with nothing in memory (the cache folder is read again)."""
+    model, tokenizer, draft, prompt, ref = qwen3
+    costs._memory.clear()
+    assert generate(model, draft, tokenizer, prompt, max_tokens=N).tokens == ref
+
+
+def _cache_file(qwen3) -> str:
+    model, _, draft, _, _ = qwen3
+    return costs.calibration_file(costs.cost_key(target_parts(model), draft))
+
+
+def test_corrupt_calibration_is_measured_again_and_said_once(qwen3, home, capsys):
+    path = _cache_file(qwen3)
+    path.parent.mkdir(parents=True)
+    for garbage in ("{not json", json.dumps({"format": "dflash-cost/1", "rows": "many"})):
+        path.write_text(garbage)
+        _generate_fresh(qwen3)
+    err = capsys.readouterr().err
+    assert err.count("is unreadable") == 1, err
+    assert err.count(MEASURING) == 2, err
+    assert json.loads(path.read_text())["key"] == path.stem  # replaced by a good measurement
+
+
+def test_calibration_from_another_machine_is_measured_again_and_said_once(qwen3, home, capsys):
+    path = _cache_file(qwen3)
+    _generate_fresh(qwen3)  # measured and saved here
+    for cpu in ("another CPU", "yet another CPU"):
+        data = json.loads(path.read_text())
+        data["machine"]["cpu"] = cpu
+        path.write_text(json.dumps(data))
+        _generate_fresh(qwen3)
+        assert json.loads(path.read_text())["machine"] == costs.machine_id()
+    err = capsys.readouterr().err
+    assert err.count("was measured on another machine") == 1, err
+    assert err.count(MEASURING) == 3, err
+    _generate_fresh(qwen3)  # now current: read, not measured
+    assert MEASURING not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["file-in-the-way", "read-only"])
+def test_unwritable_calibration_folder_keeps_the_model_in_memory(how, qwen3, home, capsys):
+    home.mkdir()
+    if how == "file-in-the-way":  # works for root too, which ignores permission bits
+        (home / "calibration").write_text("not a folder")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        home.chmod(0o500)
+    try:
+        for _ in range(2):
+            _generate_fresh(qwen3)
+        model, tokenizer, draft, prompt, ref = qwen3
+        # Still in memory: the next generation neither measures nor warns.
+        assert generate(model, draft, tokenizer, prompt, max_tokens=N).tokens == ref
+    finally:
+        home.chmod(0o700)
+    err = capsys.readouterr().err
+    assert err.count("cannot save the calibration") == 1, err
+    assert err.count(MEASURING) == 2, err
+    assert not _cache_file(qwen3).is_file()
