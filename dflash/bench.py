@@ -115,7 +115,7 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
                 seed: int, min_confidence: float | None = None,
-                policy: str | None = None) -> dict:
+                policy: str | None = None, tree_budget: int | None = None) -> dict:
     from .speculative import stream_generate
 
     tokens: list[int] = []
@@ -123,7 +123,8 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
     first, last = None, None
     for r in stream_generate(pair.model, pair.draft, pair.tokenizer, list(ids),
                              block_size=block_size, max_tokens=max_tokens, seed=seed,
-                             min_confidence=min_confidence, policy=policy, **sampling):
+                             min_confidence=min_confidence, policy=policy,
+                             tree_budget=tree_budget, **sampling):
         if first is None:
             first = time.perf_counter()
         tokens.extend(r.tokens)
@@ -259,7 +260,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
               template_kwargs: dict | None = None, limit: int | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
               pair=None, min_confidence: float | None = None,
-              policy: str | None = None) -> dict:
+              policy: str | None = None, tree_budget: int | None = None) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
@@ -299,7 +300,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
         n = min(16, max_tokens)
         _run_baseline(pair, encoded[0], n, sampling, seed)
         for bs in sizes:
-            _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy)
+            _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy,
+                        tree_budget)
 
     base_runs: list[list[dict]] = [[] for _ in items]
     runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
@@ -319,7 +321,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
                     what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
                     r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence,
-                                    policy)
+                                    policy, tree_budget)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
@@ -344,6 +346,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
+            "tree_budget": tree_budget,
             "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,

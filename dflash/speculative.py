@@ -31,6 +31,7 @@ from .verify_policy import (
     VerifyPolicy,
     check_policy,
     check_tree_budget,
+    check_trees_possible,
     draft_candidates,
 )
 
@@ -186,6 +187,7 @@ def stream_generate(
         proposal=proposal, seed=seed)
     cfg.validate(parts.vocab_size)
     stops = _stop_sequences(stop)
+    check_trees_possible(policy, tree_supported(parts, make_cache(parts)))
 
     if isinstance(prompt, str):
         prompt_ids = encode_text(tokenizer, prompt)

@@ -67,12 +67,20 @@ def check_tree_budget(tree_budget: int | None, cost: CostModel | None) -> int:
     if tree_budget is not None and cost is None:  # not "from 1 to 0"
         raise GenerationConfigError(
             f"tree_budget={tree_budget!r}: only with policy 'tree' (or 'auto')")
-    if tree_budget is not None and not (isinstance(tree_budget, int) and
-                                        1 <= tree_budget <= most):
+    if tree_budget is not None and not (isinstance(tree_budget, int)
+                                        and not isinstance(tree_budget, bool)
+                                        and 1 <= tree_budget <= most):
         raise GenerationConfigError(
             f"tree_budget={tree_budget!r}: must be an integer from 1 to {most} (the cost "
             "model's measured range)")
     return most
+
+
+def check_trees_possible(policy: str, trees: bool) -> None:
+    if policy == "tree" and not trees:
+        raise GenerationConfigError(
+            "policy='tree': this target has recurrent layers (or caches) that cannot verify "
+            "a tree; it verifies chains (policy 'auto', 'fixed' or 'confidence')")
 
 
 def draft_candidates(draft_logits: mx.array, columns: mx.array | None,
@@ -212,14 +220,13 @@ class VerifyPolicy:
         check_policy(name)
         if name in ("auto", "tree") and cost is None:
             raise GenerationConfigError(f"policy={name!r} needs a cost model")
-        if name == "tree" and not trees:
-            raise GenerationConfigError(
-                "policy='tree': this target has recurrent layers (or caches) that cannot verify "
-                "a tree; it verifies chains (policy 'auto', 'fixed' or 'confidence')")
+        check_trees_possible(name, trees)
         most = check_tree_budget(tree_budget, cost)
         self.name, self.cost, self.min_confidence = name, cost, float(min_confidence)
         self.tree_budget = tree_budget or min(DEFAULT_TREE_BUDGET, most)
-        self.budgets = [b for b in TREE_BUDGETS if b <= most] if trees and name == "auto" else []
+        # Under auto, a given tree_budget caps the trees considered.
+        cap = min(most, tree_budget or most)
+        self.budgets = [b for b in TREE_BUDGETS if b <= cap] if trees and name == "auto" else []
         self.acceptance = AcceptanceModel(max(1, block_size - 1))
         self.nodes = NodeCalibration()
         self.context = 0
