@@ -209,6 +209,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
                     "verify": sum(r["verify_time"] for r in runs),
                     "verified": sum(r["verified_tokens"] for r in runs),
                     "plain": sum(r["plain_steps"] for r in runs),
+                    "trees": sum(r["tree_cycles"] for r in runs),
                     "rows": sum(r["rows_per_pass"] * (r["cycles"] + r["plain_steps"])
                                 for r in runs)},
     }
@@ -231,6 +232,7 @@ def _overall(prompts: list[dict]) -> dict:
         "tau": t["cycle_tokens"] / t["cycles"] if t["cycles"] else 0.0,
         "verified_per_cycle": t["verified"] / t["cycles"] if t["cycles"] else 0.0,
         "plain_share": t["plain"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
+        "tree_share": t["trees"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
         "rows_per_pass": t["rows"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
         "baseline_tokens_per_s": b_tps,
         "dflash_tokens_per_s": d_tps,
@@ -454,7 +456,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"Draft {o['draft_time']:.2f} s / verify {o['verify_time']:.2f} s{share}; "
                       f"{o.get('verified_per_cycle', 0.0):.1f} drafted tokens verified per cycle; "
                       f"{o.get('rows_per_pass', 0.0):.1f} target rows per pass; "
-                      f"{100 * o.get('plain_share', 0.0):.0f}% plain steps (no drafting).",
+                      f"{100 * o.get('plain_share', 0.0):.0f}% plain steps (no drafting), "
+                      f"{100 * o.get('tree_share', 0.0):.0f}% draft trees.",
                   "", f"Acceptance by block position: {acc}", ""]
     return "\n".join(lines) + "\n"
 
@@ -468,7 +471,8 @@ def format_summary(result: dict) -> str:
                    f"{_f(o['baseline_tokens_per_s'], 1)} tok/s, dflash "
                    f"{_f(o['dflash_tokens_per_s'], 1)} tok/s, speed-up {_f(o['speedup'], 2, '×')}"
                    f", {o.get('rows_per_pass', 0.0):.1f} rows/pass, "
-                   f"{100 * o.get('plain_share', 0.0):.0f}% plain steps"
+                   f"{100 * o.get('plain_share', 0.0):.0f}% plain steps, "
+                   f"{100 * o.get('tree_share', 0.0):.0f}% trees"
                    f", identical at T=0: {_same(o['identical']).strip('*')}")
     return "\n".join(out)
 
