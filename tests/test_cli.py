@@ -195,6 +195,23 @@ def test_bad_paths_and_settings_give_one_line(pair, tmp_path):
                    code=2)
 
 
+@pytest.mark.slow
+def test_serve_that_cannot_load_exits_1_every_time(pair, tmp_path):
+    # The worker thread ran MLX before the error (the target loads, then the drafter does not
+    # fit): its MLX stream once outlived it and aborted the exit at random (exit 134).
+    import tiny_models
+
+    target, _ = pair
+    other = tiny_models.write_target(tmp_path / "other", "llama", hidden=32)
+    other_draft = tiny_models.write_drafter(tmp_path / "other_draft", other)
+    for _ in range(4):
+        line = one_error_line(run("serve", "--model", target, "--draft", other_draft))
+        assert "does not fit" in line
+    for _ in range(2):
+        line = one_error_line(run("serve", "--model", tmp_path / "missing"))
+        assert "no such folder" in line
+
+
 def test_chat_multi_turn_reset_and_stats(pair, loaded_pair):
     from dflash.model_mlx import generate
     from dflash.prompts import encode_prompt
