@@ -47,6 +47,8 @@ from dflash.drafter import load_draft
 from dflash.sampling import BlockSampler
 from dflash.speculative import stream_generate
 
+pytestmark = pytest.mark.slow  # every test here runs the models for many seconds
+
 V = 8  # vocabulary
 K = 4  # generated tokens compared (the joint has V**K cells)
 BLOCK = 4
