@@ -95,7 +95,8 @@ PLANTS = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("plant", list(PLANTS))
+@pytest.mark.parametrize("plant", [p if p == "mixed" else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in PLANTS])
 def test_partial_acceptance_stays_exact(kind, plant, loaded_pair, references):
     model, tokenizer, draft = loaded_pair(kind)
     prompt, ref = references(kind)

@@ -8,6 +8,7 @@ first: base, model, engine, tools, top (the CLI).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dflash"
@@ -38,6 +39,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
 def all_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
 
@@ -97,6 +99,7 @@ def internal_imports(name: str, path: Path, modules: dict[str, Path],
     return found
 
 
+@functools.cache  # parsed once for all the tests below
 def import_graph(module_level: bool = False) -> dict[str, set[str]]:
     modules = all_modules()
     return {name: internal_imports(name, path, modules, module_level)

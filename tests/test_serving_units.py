@@ -129,6 +129,7 @@ def app_client(tiny_pair):
         s.worker.stop()
 
 
+@pytest.mark.slow
 def test_full_queue_is_429_and_two_servers_keep_their_own_metrics(app_client):
     open_, full = app_client
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -142,6 +143,7 @@ def test_full_queue_is_429_and_two_servers_keep_their_own_metrics(app_client):
     assert open_.get("/health").json()["model"] == "open"
 
 
+@pytest.mark.slow
 def test_run_on_a_taken_port_raises_server_start_error(tiny_pair):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
