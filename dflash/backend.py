@@ -122,5 +122,8 @@ def release_thread_streams() -> None:
     """
     import mlx.core as mx
 
+    clear_streams = getattr(mx, "clear_streams", None)
+    if clear_streams is None:  # older MLX: one process-wide stream, nothing per thread to end
+        return
     mx.synchronize()
-    mx.clear_streams()
+    clear_streams()
