@@ -110,3 +110,20 @@ def prepare_for_backend(module, dtype=None) -> None:
         module.parameters(),
     ))
     mx.eval(module.parameters())
+
+
+def release_thread_streams() -> None:
+    """End the MLX streams of the calling thread; call it last in a thread that ran MLX.
+
+    MLX gives each thread its own default stream, served by a native thread of its own. A Python
+    thread that ends without releasing them leaves that stream alive until the process exits, and
+    tearing it down then aborts the process at random ("terminate called without an active
+    exception", exit 134) even after a clean shutdown or a one-line error.
+    """
+    import mlx.core as mx
+
+    clear_streams = getattr(mx, "clear_streams", None)
+    if clear_streams is None:  # older MLX: one process-wide stream, nothing per thread to end
+        return
+    mx.synchronize()
+    clear_streams()

@@ -1,3 +1,10 @@
+"""Shared fixtures: tiny random models of each target family, built and loaded once per session.
+
+Two tiers: `pytest -m "not slow"` (under 2 minutes: pure functions, CLI usage, sampling units and one
+greedy-exactness run per target family) while changing code; plain `pytest` / `scripts/test.sh`
+(what CI runs) runs everything, the `slow` tests included.
+"""
+
 # isort: off
 import dflash  # noqa: F401  (routes OpenBLAS before anything imports mlx)
 # isort: on

@@ -22,6 +22,7 @@ def pair(tiny_pair, loaded_pair):
     return Pair(model, tokenizer, d, str(target), str(draft))
 
 
+@pytest.mark.slow
 def test_sweep_reports_everything(pair, tmp_path):
     logs = []
     result = bench.run_bench(pair=pair, prompts=PROMPTS, block_sizes="4,8", max_tokens=10,

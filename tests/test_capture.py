@@ -19,6 +19,8 @@ from dflash.training.capture import RolloutEngine
 from dflash.training.data import load_samples
 from dflash.training.datagen import datagen
 
+pytestmark = pytest.mark.slow  # every test here runs the models for many seconds
+
 TAPS = [0, 2]
 
 

@@ -99,6 +99,7 @@ def test_missing_external_subcommand_is_one_line(monkeypatch, capsys):
     assert "add_nothing" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_streams_the_library_output(pair, library):
     target, draft = pair
     expected = library("Tell me a story.", max_tokens=20)
@@ -111,6 +112,7 @@ def test_generate_streams_the_library_output(pair, library):
         assert part in stats, stats
 
 
+@pytest.mark.slow
 def test_generate_json_and_stdin(pair, library):
     target, draft = pair
     expected = library("What is 2 + 2?", max_tokens=12, system="Be brief.")
@@ -127,6 +129,7 @@ def test_generate_json_and_stdin(pair, library):
         assert key in stats, key
 
 
+@pytest.mark.slow
 def test_generate_sampling_options_reach_the_engine(pair, library):
     target, draft = pair
     settings = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1,
@@ -146,6 +149,7 @@ def test_generate_sampling_options_reach_the_engine(pair, library):
     assert out["stats"]["verified_tokens"] <= out["stats"]["cycles"]  # min_confidence 1
 
 
+@pytest.mark.slow
 def test_generate_raw_prompt_without_template(pair, loaded_pair):
     from dflash.model_mlx import generate
 
@@ -158,6 +162,7 @@ def test_generate_raw_prompt_without_template(pair, loaded_pair):
     assert json.loads(p.stdout)["tokens"] == expected.tokens
 
 
+@pytest.mark.slow
 def test_bad_paths_and_settings_give_one_line(pair, tmp_path):
     import tiny_models
 
@@ -195,6 +200,24 @@ def test_bad_paths_and_settings_give_one_line(pair, tmp_path):
                    code=2)
 
 
+@pytest.mark.slow
+def test_serve_that_cannot_load_exits_1_every_time(pair, tmp_path):
+    # The worker thread ran MLX before the error (the target loads, then the drafter does not
+    # fit): its MLX stream once outlived it and aborted the exit at random (exit 134).
+    import tiny_models
+
+    target, _ = pair
+    other = tiny_models.write_target(tmp_path / "other", "llama", hidden=32)
+    other_draft = tiny_models.write_drafter(tmp_path / "other_draft", other)
+    for _ in range(4):
+        line = one_error_line(run("serve", "--model", target, "--draft", other_draft))
+        assert "does not fit" in line
+    for _ in range(2):
+        line = one_error_line(run("serve", "--model", tmp_path / "missing"))
+        assert "no such folder" in line
+
+
+@pytest.mark.slow
 def test_chat_multi_turn_reset_and_stats(pair, loaded_pair):
     from dflash.model_mlx import generate
     from dflash.prompts import encode_prompt
@@ -220,6 +243,7 @@ def test_chat_multi_turn_reset_and_stats(pair, loaded_pair):
     assert p.stderr.count("[τ") == 3
 
 
+@pytest.mark.slow
 def test_bench_subcommand_writes_reports(pair, tmp_path):
     target, draft = pair
     prompts = tmp_path / "prompts.jsonl"
@@ -243,6 +267,7 @@ def test_bench_subcommand_writes_reports(pair, tmp_path):
         assert (out / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_without_traceback(pair):
     target, draft = pair
     proc = subprocess.Popen(

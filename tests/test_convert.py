@@ -185,6 +185,7 @@ def test_mixed_recipes_store_the_bits_they_promise(hf, tmp_path, recipe, hi, lo)
     assert f"Mixed {hi}/{lo}-bit" in (dst / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_sensitivity_recipe_spends_the_budget_where_it_matters(hf, tmp_path):
     dst = tmp_path / "sens"
     report = convert(hf, dst, quant_recipe="sensitivity", bit_budget=5.0,

@@ -50,6 +50,7 @@ def records(out: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_datagen_writes_records_and_resumes(target, tmp_path, capsys):
     from dflash.model_mlx import load
 
@@ -88,6 +89,7 @@ def test_datagen_writes_records_and_resumes(target, tmp_path, capsys):
     assert len(records(out)) == len(rows)
 
 
+@pytest.mark.slow
 def test_datagen_killed_midway_resumes_without_duplicates(target, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl")
     out = tmp_path / "data"
@@ -113,6 +115,7 @@ def test_datagen_killed_midway_resumes_without_duplicates(target, tmp_path):
     assert sorted(ids) == [f"q{i}" for i in range(6)]
 
 
+@pytest.mark.slow
 def test_cli_entry(target, tmp_path):
     parser = add_datagen_args(argparse.ArgumentParser())
     args = parser.parse_args(["--target", str(target), "--prompts",

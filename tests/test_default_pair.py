@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 
 from dflash.default_pair import default_draft_path
@@ -13,6 +14,7 @@ QUESTION = ("A baker makes 24 muffins and sells 3 boxes of 4 muffins. "
             "How many muffins are left?")
 
 
+@pytest.mark.slow
 def test_default_pair_is_exact_and_drafts():
     model, tokenizer, draft = load_default()
     assert draft.config.block_size >= 8
@@ -35,6 +37,7 @@ def test_default_drafter_ships_in_the_model_card_format():
     assert (default_draft_path() / "README.md").is_file()
 
 
+@pytest.mark.slow
 def test_generate_command_runs_on_the_builtin_pair():
     run = subprocess.run([sys.executable, "-m", "dflash", "generate", "--max-tokens", "24",
                           "--prompt", QUESTION], capture_output=True, text=True, timeout=300)

@@ -37,7 +37,9 @@ def references(loaded_pair):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [pytest.param(2, marks=pytest.mark.slow), 4,
+                                        pytest.param(8, marks=pytest.mark.slow),
+                                        pytest.param(16, marks=pytest.mark.slow)])
 def test_greedy_equals_target_alone(kind, block_size, loaded_pair, references):
     model, tokenizer, draft = loaded_pair(kind)
     prompt, ref = references(kind)
@@ -48,6 +50,7 @@ def test_greedy_equals_target_alone(kind, block_size, loaded_pair, references):
     assert out.stats.generation_tokens == N_TOKENS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
 def test_shorter_verify_keeps_output_and_follows_confidence(kind, loaded_pair, references):
     model, tokenizer, draft = loaded_pair(kind)
@@ -92,7 +95,8 @@ PLANTS = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("plant", list(PLANTS))
+@pytest.mark.parametrize("plant", [p if p == "mixed" else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in PLANTS])
 def test_partial_acceptance_stays_exact(kind, plant, loaded_pair, references):
     model, tokenizer, draft = loaded_pair(kind)
     prompt, ref = references(kind)

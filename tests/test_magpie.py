@@ -57,6 +57,7 @@ def test_user_header_is_the_template_up_to_the_users_text(tiny_pair):
     assert "hello" not in tok.decode(header)
 
 
+@pytest.mark.slow
 def test_a_target_that_writes_no_usable_turn_is_an_error_not_a_loop(tmp_path):
     target = write_target(tmp_path / "t", "llama", layers=2, hidden=32)
     with pytest.raises(DataSetError, match="user turns passed the filters"):

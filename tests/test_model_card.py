@@ -8,6 +8,7 @@ import threading
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
@@ -59,6 +60,7 @@ def write_mlx_6bit(src, dst):
     return dst
 
 
+@pytest.mark.slow
 def test_model_card_snippet_runs_verbatim(tmp_path, tiny_pair):
     target, hf_draft = tiny_pair("qwen3_5_wrapped")
     mlx_draft = write_mlx_6bit(hf_draft, tmp_path / "Qwen3.5-4B-DFlash-MLX-6bit")
@@ -71,6 +73,7 @@ def test_model_card_snippet_runs_verbatim(tmp_path, tiny_pair):
         assert len(run.stdout) > 100
 
 
+@pytest.mark.slow
 def test_two_pairs_in_two_threads_stay_exact(loaded_pair):
     pairs = {kind: loaded_pair(kind) for kind in ("qwen3_5", "llama")}
     prompt = [1, 17, 42, 5, 99, 3]

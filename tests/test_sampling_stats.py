@@ -50,6 +50,8 @@ from dflash.speculative import stream_generate
 from dflash.target import target_parts
 from dflash.tree import DraftTree
 
+pytestmark = pytest.mark.slow  # every test here runs the models for many seconds
+
 V = 8  # vocabulary
 K = 4  # generated tokens compared (the joint has V**K cells)
 BLOCK = 4

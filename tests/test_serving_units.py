@@ -85,6 +85,34 @@ def test_full_worker_queue_raises_queue_full():
         worker.submit(Job([1], {}, loop=None, out=None))
 
 
+def test_a_failed_load_ends_the_worker_thread_and_its_mlx_streams(monkeypatch):
+    # MLX gives the worker thread a stream of its own; left alive it aborts the process at exit
+    # (exit 134), so start() must not return the load error before the thread released it.
+    import threading
+
+    import mlx.core as mx
+
+    from dflash.serving import worker as worker_module
+
+    released, real_release = [], worker_module.release_thread_streams
+
+    def release():
+        real_release()
+        released.append(threading.current_thread().name)
+
+    monkeypatch.setattr(worker_module, "release_thread_streams", release)
+
+    def loader():
+        mx.eval(mx.random.uniform(shape=(8, 8)))  # the target loaded, then the drafter failed
+        raise ValueError("drafter does not fit")
+
+    worker = worker_module.Worker(loader=loader, metrics=None)
+    with pytest.raises(ValueError, match="does not fit"):
+        worker.start()
+    assert released == ["dflash-engine"]
+    assert not worker.thread.is_alive()
+
+
 @pytest.fixture(scope="module")
 def app_client(tiny_pair):
     pytest.importorskip("fastapi")
@@ -101,6 +129,7 @@ def app_client(tiny_pair):
         s.worker.stop()
 
 
+@pytest.mark.slow
 def test_full_queue_is_429_and_two_servers_keep_their_own_metrics(app_client):
     open_, full = app_client
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -114,6 +143,7 @@ def test_full_queue_is_429_and_two_servers_keep_their_own_metrics(app_client):
     assert open_.get("/health").json()["model"] == "open"
 
 
+@pytest.mark.slow
 def test_run_on_a_taken_port_raises_server_start_error(tiny_pair):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")

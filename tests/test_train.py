@@ -183,6 +183,7 @@ def test_sliding_layers_follow_the_engine():
         assert (vis[0, j, 12:] == (np.arange(4) <= j)).all()
 
 
+@pytest.mark.slow
 def test_default_taps_and_mask_token(pattern):
     assert default_taps(30) == [1, 8, 14, 20, 27]
     assert default_taps(36) == [1, 9, 17, 25, 33]  # as the published Qwen3-8B drafter
@@ -201,6 +202,7 @@ def test_default_taps_and_mask_token(pattern):
 # The training forward is the engine's forward
 
 
+@pytest.mark.slow
 def test_training_forward_equals_engine_forward(pattern, tmp_path):
     tr = Trainer(opts(pattern, tmp_path / "d", layers=2))
     sample = tr.samples[0]
@@ -222,6 +224,7 @@ def test_training_forward_equals_engine_forward(pattern, tmp_path):
                 assert tr.vocab_ids[lab[j]] == ids[a + j + 1]
 
 
+@pytest.mark.slow
 def test_target_features_are_the_tapped_layer_outputs(pattern, tmp_path):
     from dflash.target import forward, make_cache
 
@@ -236,6 +239,7 @@ def test_target_features_are_the_tapped_layer_outputs(pattern, tmp_path):
     assert (top[s.prompt_len - 1:-1] == s.ids[s.prompt_len:]).all()  # the pattern, greedy
 
 
+@pytest.mark.slow
 def test_init_from_target_copies_layers(pattern, tmp_path):
     tr = Trainer(opts(pattern, tmp_path / "d", init="last"))
     src = dict(tree_flatten(tr.parts.layers[3].parameters()))
@@ -257,6 +261,7 @@ def test_init_from_target_copies_layers(pattern, tmp_path):
 # Training
 
 
+@pytest.mark.slow
 def test_a_few_steps_lower_the_loss(pattern, tmp_path):
     tr = Trainer(opts(pattern, tmp_path / "d", soft_weight=0.5, soft_topk=8))
     batch = tr.make_batch(tr.samples[:4], np.random.default_rng(5))
@@ -268,6 +273,7 @@ def test_a_few_steps_lower_the_loss(pattern, tmp_path):
     assert after < 0.5 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_trained_drafter_accepts_through_the_engine(pattern, tmp_path):
     out = tmp_path / "draft"
     tr = Trainer(opts(pattern, out, steps=150, soft_weight=0.3, soft_topk=8))
@@ -281,6 +287,7 @@ def test_trained_drafter_accepts_through_the_engine(pattern, tmp_path):
     assert base["tau"] < 1.3, base
 
 
+@pytest.mark.slow
 def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     straight = Trainer(opts(pattern, tmp_path / "a", steps=8, checkpoint_every=4))
     straight.run()
@@ -315,6 +322,7 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     assert set(cfg["dflash_config"]["draft_vocab_ids"]) >= set(pattern["succ"])
 
 
+@pytest.mark.slow
 def test_cli_entry_trains_and_writes_a_drafter(pattern, tmp_path):
     parser = add_train_args(argparse.ArgumentParser())
     args = parser.parse_args(["--target", str(pattern["target"]), "--data", str(pattern["data"]),
@@ -325,6 +333,7 @@ def test_cli_entry_trains_and_writes_a_drafter(pattern, tmp_path):
     assert load_draft(out).block_size == 4
 
 
+@pytest.mark.slow
 def test_dflash_train_command_exits_zero(pattern, tmp_path):
     common = ["--target", str(pattern["target"]), "--data", str(pattern["data"]),
               "--taps", "1,3", "--no-progress", "--feature-cache", str(tmp_path / "features")]
@@ -341,6 +350,7 @@ def test_dflash_train_command_exits_zero(pattern, tmp_path):
 # Bad input
 
 
+@pytest.mark.slow
 def test_bad_settings_raise_named_errors(pattern, tmp_path):
     with pytest.raises(TrainConfigError, match="block-size"):
         Trainer(opts(pattern, tmp_path / "x", block_size=1))
@@ -359,6 +369,7 @@ def test_bad_settings_raise_named_errors(pattern, tmp_path):
     Trainer(opts(pattern, tmp_path / "exists", force=True))  # --force overwrites
 
 
+@pytest.mark.slow
 def test_bad_data_raise_named_errors(pattern, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -397,6 +408,7 @@ def test_several_data_sets_merge_and_ids_may_not_repeat(tmp_path):
         read_samples(f"{math},{other}")
 
 
+@pytest.mark.slow
 def test_target_that_cannot_be_tapped(pattern, tmp_path):
     """A GPT-2 (no embed_tokens/layers/norm) is refused with the engine's named error."""
     from mlx_lm.utils import _get_classes
@@ -415,6 +427,7 @@ def test_target_that_cannot_be_tapped(pattern, tmp_path):
         Trainer(opts(pattern, tmp_path / "x", target=str(path)))
 
 
+@pytest.mark.slow
 def test_interrupted_run_checkpoints_and_resumes_exactly(pattern, tmp_path):
     """Ctrl-C in the middle of a step: that step is undone, saved, and redone on --resume."""
     straight = Trainer(opts(pattern, tmp_path / "a", steps=6, checkpoint_every=100))

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backend import release_thread_streams
 from ..errors import GenerationCancelled, QueueFull
 from ..prompt_cache import PromptCache
 from ..speculative import DFlashResponse, stream_generate
@@ -69,6 +70,8 @@ class Worker:
         self.thread.start()
         self._ready.wait()
         if self._load_error is not None:
+            # Let the thread release its MLX streams before the error can reach the exit.
+            self.thread.join()
             raise self._load_error
         return self
 
@@ -131,6 +134,12 @@ class Worker:
             job.cancel.set()  # no-op when finished; stops the worker when the client left
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            release_thread_streams()  # MLX ran here: a stream left behind aborts the exit
+
+    def _serve(self) -> None:
         try:
             self.pair = self.loader()
         except BaseException as e:  # reported to start() in the main thread
