@@ -102,6 +102,7 @@ def test_corrupt_calibration_is_measured_again_and_said_once(qwen3, home, capsys
     assert json.loads(path.read_text())["key"] == path.stem  # replaced by a good measurement
 
 
+@pytest.mark.slow
 def test_calibration_from_another_machine_is_measured_again_and_said_once(qwen3, home, capsys):
     path = _cache_file(qwen3)
     _generate_fresh(qwen3)  # measured and saved here

@@ -318,6 +318,7 @@ def assert_table_matches(stdout: str, cached: dict) -> None:
         assert draft[n] == pytest.approx(ms, abs=0.006)
 
 
+@pytest.mark.slow
 def test_calibrate_prints_the_cached_cost_model_and_writes_a_plot(pair, tmp_path):
     target, draft = pair
     env = {"DFLASH_HOME": str(tmp_path / "home")}
@@ -340,6 +341,7 @@ def test_calibrate_prints_the_cached_cost_model_and_writes_a_plot(pair, tmp_path
     assert_table_matches(fresh.stdout, json.loads(cached_file.read_text()))
 
 
+@pytest.mark.slow
 def test_calibrate_without_matplotlib_is_one_error_line(pair, tmp_path):
     target, draft = pair
     stub = tmp_path / "stub" / "matplotlib"

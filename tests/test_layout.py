@@ -163,5 +163,5 @@ def test_the_checker_sees_relative_and_function_level_imports():
     assert "cli" in graph["__main__"]
     assert "backend" in graph[""]
     assert "serving.app" in graph["serving"]  # ``from .app import ...``
-    assert "model_mlx" in graph["pair"]  # imported inside load_pair
-    assert "model_mlx" not in import_graph(module_level=True)["pair"]
+    assert "target" in graph["pair"]  # imported inside load_pair
+    assert "target" not in import_graph(module_level=True)["pair"]

@@ -36,7 +36,8 @@ def first_planted(rank, cycle: int) -> int | None:
 
 
 @pytest.mark.parametrize("kind", ATTENTION_KINDS)
-@pytest.mark.parametrize("budget", [1, 4, 16])
+@pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.slow), 4,
+                                    pytest.param(16, marks=pytest.mark.slow)])
 def test_tree_greedy_equals_target_alone(kind, budget, loaded_pair, references):  # noqa: F811
     model, tokenizer, draft = loaded_pair(kind)
     prompt, ref = references(kind)
@@ -49,7 +50,8 @@ def test_tree_greedy_equals_target_alone(kind, budget, loaded_pair, references):
 
 
 @pytest.mark.parametrize("kind", ATTENTION_KINDS)
-@pytest.mark.parametrize("plant", list(RANKS))
+@pytest.mark.parametrize("plant", [p if p == "rank1-each-depth" else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in RANKS])
 def test_tree_accepts_through_runner_up_branches_and_stays_exact(kind, plant, loaded_pair,
                                                                  references):  # noqa: F811
     model, tokenizer, draft = loaded_pair(kind)
