@@ -296,15 +296,17 @@ class StepResult(NamedTuple):
 
 
 def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
-                      draft_columns: mx.array | None) -> StepResult:
-    """Draft -> verify (a chain, or a tree) -> accept -> roll back; or one plain target step when
+                      remaining: int, draft_columns: mx.array | None) -> StepResult:
+    """Draft -> verify (a chain, or a tree) -> accept -> roll back; or plain target steps while
     the policy says speculation loses."""
     sampler, policy = request.sampler, state.policy
     anchor = state.history[-1]
-    plain = bs > 1 and not policy.speculate(len(state.fed))
+    stretch = min(policy.plain_stretch(len(state.fed)), remaining) if bs > 1 else 0
+    if stretch:
+        return _plain_steps(parts, draft, request, state, stretch)
     proposals, q, plan, log_conf = [], None, None, None
     # Draft: one pass over [anchor, MASK ...] with the new target features as context.
-    if bs > 1 and not plain:
+    if bs > 1:
         state.sync_drafter(draft)
         bs = policy.draft_rows(bs)
         draft_logits = draft.block_logits(parts, anchor, bs, state.dcache)
@@ -329,10 +331,55 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
-    policy.record(log_conf, None if plain else plan or Plan(0), a, None, bs)
+    policy.record(log_conf, plan or Plan(0), a, None, bs)
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending_taps, [c.state for c in state.cache])
-    return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, plain)
+    return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, False)
+
+
+def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int) -> StepResult:
+    """Up to ``n`` one-token target steps, no drafting (the drafter's context is still fed).
+
+    Greedy without history-dependent processors, each pass is queued on the previous pass's
+    still-lazy token before that token is read, as mlx-lm's own decoding does, so host work
+    overlaps the next pass. Stops early at a stop id (a queued pass then fed it: ``fed`` says so).
+    """
+    sampler, tap_ids = request.sampler, draft.target_layer_ids
+    pipelined = sampler.greedy and not sampler.has_history_processors and sampler.cfg.sampler is None
+    started = time.perf_counter()
+
+    def step(token) -> tuple[mx.array, mx.array]:
+        tokens = mx.array([[token]]) if isinstance(token, int) else token.reshape(1, 1)
+        logits, taps = forward(parts, tokens, state.cache, tap_ids)
+        return logits[0, -1:], taps
+
+    fed, (logits, taps) = state.history[-1], step(state.history[-1])
+    out: list[int] = []
+    for i in range(n):
+        more = i + 1 < n
+        processed = sampler.process(logits, state.history + out, None)
+        if pipelined:
+            lazy = mx.argmax(processed, axis=-1)
+            if more:  # queue the next pass on the lazy token, then read it
+                next_logits, next_taps = step(lazy)
+                mx.async_eval(next_logits, next_taps)
+            token = int(lazy.item())
+        else:
+            token = int(sampler.sample(processed).item())
+        state.fed.append(fed)
+        state.commit_taps(taps)
+        state.policy.record(None, None, 0, None, 0)
+        out.append(token)
+        if token in request.stop_ids or not more:
+            if token in request.stop_ids and pipelined and more:
+                state.fed.append(token)  # the queued pass fed it
+                state.commit_taps(next_taps)
+            break
+        if not pipelined:
+            next_logits, next_taps = step(token)
+        fed, logits, taps = token, next_logits, next_taps
+    mx.async_eval(state.pending_taps, [c.state for c in state.cache])
+    return StepResult(out, len(out) - 1, 0, started, True)
 
 
 def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: Plan,
@@ -423,7 +470,8 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
 
         t0 = time.perf_counter()
         bs = min(request.block_size, max_tokens - stats.generation_tokens)
-        step = _speculative_step(parts, draft, request, state, bs, draft_columns)
+        step = _speculative_step(parts, draft, request, state, bs,
+                                 max_tokens - stats.generation_tokens, draft_columns)
         t2 = time.perf_counter()
         emitted, a = step.tokens, step.accepted
         stats.draft_time += step.drafted_at - t0

@@ -252,13 +252,14 @@ class VerifyPolicy:
             return block
         return max(2, min(block, max(4, max(self.depths) + 3)))
 
-    def speculate(self, context: int) -> bool:
-        """Draft this cycle? (``False``: a plain one-token step.)"""
+    def plain_stretch(self, context: int) -> int:
+        """Plain one-token target steps to take now, before the next speculative cycle (0:
+        speculate this cycle)."""
         self.context = context
-        if self.name != "auto" or self.backoff <= 0:
-            return True
-        self.backoff -= 1
-        return False
+        if self.name != "auto":
+            return 0
+        steps, self.backoff = self.backoff, 0
+        return steps
 
     # -- after drafting -----------------------------------------------------------------------
 
