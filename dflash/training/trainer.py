@@ -375,8 +375,10 @@ class Trainer:
                             tau=f"{self.ema['tau']:.2f}", lr=f"{lr:.1e}", rows_s=f"{rows_s:.0f}")
             bar.update(1)
             last = self.step >= end_step
+            # all ranks stop at the same step, or the others would wait for it forever
+            out_of_time = self.ranks.any(budget is not None and time.time() - t_start > budget)
             record = None
-            if self.step % 10 == 0 or last:
+            if self.step % 10 == 0 or last or out_of_time:
                 record = {"step": self.step, "epoch": self.epoch, "lr": lr,
                           "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
                           **{k: round(v, 4) for k, v in self.ema.items()},
@@ -386,8 +388,6 @@ class Trainer:
                 record.update(self._evaluate(val))
             if record and main:
                 self._record(record)
-            # all ranks stop at the same step, or the others would wait for it forever
-            out_of_time = self.ranks.any(budget is not None and time.time() - t_start > budget)
             if self.step % o.checkpoint_every == 0 or last or out_of_time:
                 self.save_checkpoint()
             if out_of_time:
