@@ -16,6 +16,7 @@ in that case: a finished run is one whose export records ``step == --steps``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -89,8 +90,9 @@ class Ranks:
         return int(np.array(mx.distributed.all_sum(mx.array(one_hot), group=self.group)).max())
 
 
+@functools.cache
 def init_ranks() -> Ranks:
-    """The ranks ``mlx.launch`` started (one rank when started without it)."""
+    """The ranks ``mlx.launch`` started (one rank when started without it); joined once."""
     if not mx.distributed.is_available():
         return Ranks()
     group = mx.distributed.init()
