@@ -21,7 +21,7 @@ import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 # isort: on
 import pytest
-from test_train import make_pattern_target, pattern_records
+from test_train import write_pattern_data
 from tiny_models import write_target
 
 from dflash.training.distributed import Ranks, init_ranks
@@ -57,6 +57,15 @@ print(json.dumps({"rank": tr.ranks.rank, "step": tr.step, "cursor": tr.cursor}),
 """
 
 
+def assert_ranks_agree(dump: Path) -> None:
+    """Both ranks ended with bit-identical weights."""
+    a = mx.load(str(dump / "rank0.safetensors"))
+    b = mx.load(str(dump / "rank1.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert mx.array_equal(a[k], b[k]).item(), k
+
+
 def launcher() -> list[str]:
     found = Path(sys.executable).parent / "mlx.launch"
     path = str(found) if found.is_file() else shutil.which("mlx.launch")
@@ -75,12 +84,7 @@ def launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def pattern(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    succ = make_pattern_target(root / "target")
-    data = root / "data"
-    data.mkdir()
-    with (data / "gen-00.jsonl").open("w") as f:
-        for r in pattern_records(succ, 32, seed=1):
-            f.write(json.dumps(r) + "\n")
+    _, data = write_pattern_data(root, 32)
     return {"root": root, "target": root / "target", "data": data}
 
 
@@ -116,11 +120,7 @@ def test_two_ranks_train_identically_and_rank_0_writes_once(pattern, tmp_path):
     ends = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(e["rank"] for e in ends) == [0, 1]
     assert {(e["step"], e["cursor"]) for e in ends} == {(4, 16)}  # 4 steps x 2 ranks x 2 seqs
-    a = mx.load(str(dump / "rank0.safetensors"))
-    b = mx.load(str(dump / "rank1.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert mx.array_equal(a[k], b[k]).item(), k
+    assert_ranks_agree(dump)
     ckpts = sorted(p.name for p in (out / "train").iterdir() if p.name.startswith(("step", ".")))
     assert ckpts == ["step-0000002", "step-0000004"]  # no temporary folders left behind
     steps = [json.loads(line)["step"]
@@ -134,10 +134,7 @@ def test_two_ranks_train_identically_and_rank_0_writes_once(pattern, tmp_path):
     assert "resumed from" in proc.stderr and "step 4" in proc.stderr
     ends = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {(e["step"], e["cursor"]) for e in ends} == {(6, 24)}
-    a = mx.load(str(dump / "rank0.safetensors"))
-    b = mx.load(str(dump / "rank1.safetensors"))
-    for k in a:
-        assert mx.array_equal(a[k], b[k]).item(), k
+    assert_ranks_agree(dump)
 
 
 def test_a_rank_that_dies_hangs_nobody_and_the_run_resumes(pattern, tmp_path):
@@ -151,10 +148,7 @@ def test_a_rank_that_dies_hangs_nobody_and_the_run_resumes(pattern, tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     ends = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {e["step"] for e in ends} == {6}
-    a = mx.load(str(dump / "rank0.safetensors"))
-    b = mx.load(str(dump / "rank1.safetensors"))
-    for k in a:
-        assert mx.array_equal(a[k], b[k]).item(), k
+    assert_ranks_agree(dump)
 
 
 def test_datagen_shards_prompts_across_ranks_each_exactly_once(tmp_path):

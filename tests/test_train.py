@@ -84,15 +84,27 @@ def pattern_records(succ: dict[int, int], n: int, seed: int, length: int = 40) -
     return out
 
 
-@pytest.fixture(scope="module")
-def pattern(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pattern")
+def write_pattern_data(root: Path, n: int) -> tuple[dict[int, int], Path]:
+    """The pattern target in ``root/target`` and ``n`` of its records in ``root/data``."""
     succ = make_pattern_target(root / "target")
     data = root / "data"
     data.mkdir()
     with (data / "gen-00.jsonl").open("w") as f:
-        for r in pattern_records(succ, 64, seed=1):
+        for r in pattern_records(succ, n, seed=1):
             f.write(json.dumps(r) + "\n")
+    return succ, data
+
+
+def assert_same_weights(a, b, atol: float = 1e-6) -> None:
+    a, b = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
+    for k in a:
+        assert mx.allclose(a[k], b[k], atol=atol).item(), k
+
+
+@pytest.fixture(scope="module")
+def pattern(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pattern")
+    succ, data = write_pattern_data(root, 64)
     held_out = [r["prompt_ids"] for r in pattern_records(succ, 4, seed=2)]
     return {"root": root, "target": root / "target", "data": data, "succ": succ,
             "held_out": held_out}
@@ -295,10 +307,7 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     resumed.run()
     assert resumed.step == 8
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
-    a = dict(tree_flatten(straight.draft.parameters()))
-    b = dict(tree_flatten(resumed.draft.parameters()))
-    for k in a:
-        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert_same_weights(straight.draft, resumed.draft)
     assert straight.history[-1]["step_loss"] == pytest.approx(resumed.history[-1]["step_loss"],
                                                               rel=1e-4)
     assert straight.history[-1]["loss"] == pytest.approx(resumed.history[-1]["loss"], rel=1e-3)
@@ -434,10 +443,7 @@ def test_interrupted_run_checkpoints_and_resumes_exactly(pattern, tmp_path):
     resumed = Trainer(opts(pattern, tmp_path / "b", steps=6, checkpoint_every=100, resume=True))
     assert resumed.step == 4
     resumed.run()
-    a = dict(tree_flatten(straight.draft.parameters()))
-    b = dict(tree_flatten(resumed.draft.parameters()))
-    for k in a:
-        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert_same_weights(straight.draft, resumed.draft)
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
 
 
@@ -520,10 +526,7 @@ def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(patte
     resumed.run()
     assert resumed.step == 6
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
-    a = dict(tree_flatten(straight.draft.parameters()))
-    b = dict(tree_flatten(resumed.draft.parameters()))
-    for k in a:
-        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert_same_weights(straight.draft, resumed.draft)
     steps = [json.loads(line)["step"]
              for line in (tmp_path / "b" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 6]  # every 10th step and each invocation's last: none twice
