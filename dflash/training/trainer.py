@@ -73,6 +73,10 @@ class Trainer:
         self.out = Path(o.out)
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
         self.ranks = init_ranks()
+        if self.ranks.distributed and o.refresh_data:
+            # each rank would reread a growing data set at its own moment and split another order
+            raise TrainConfigError("--refresh-data: not with several ranks (mlx.launch); restart "
+                                   "the run with --resume to pick up new samples")
         self.resume_from = None
         if self.ranks.is_main:
             self.resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume,
