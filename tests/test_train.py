@@ -26,7 +26,7 @@ from dflash.training.commands import add_train_args, run_train
 from dflash.training.data import read_samples
 from dflash.training.initialise import init_from_target
 from dflash.training.loss import block_loss, draft_hidden
-from dflash.training.options import TrainOptions
+from dflash.training.options import TrainOptions, from_args
 from dflash.training.recipe import (
     block_visibility,
     build_blocks,
@@ -536,10 +536,11 @@ def test_recipe_flags_reach_the_options():
     parser = add_train_args(argparse.ArgumentParser())
     args = parser.parse_args(["--data", "d", "--optimizer", "muon", "--muon-lr", "0.01",
                               "--loss", "kl", "--time-budget", "90"])
-    o = TrainOptions(**{k: v for k, v in vars(args).items() if k != "features_only"})
+    o = TrainOptions(**{**from_args(args), "target": "t", "out": "o"})
     assert (o.optimizer, o.muon_lr, o.loss, o.time_budget) == ("muon", 0.01, "kl", 90.0)
-    assert o.budget_seconds == 90.0 and TrainOptions(data="d", max_minutes=1).budget_seconds == 60
+    paths = dict(target="t", data="d", out="o")
+    assert o.budget_seconds == 90.0 and TrainOptions(**paths, max_minutes=1).budget_seconds == 60
     with pytest.raises(SystemExit):
         parser.parse_args(["--data", "d", "--loss", "hard"])
     with pytest.raises(TrainConfigError, match="--time-budget"):
-        TrainOptions(data="d", time_budget=0).check()
+        TrainOptions(**paths, time_budget=0).check()
