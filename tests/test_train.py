@@ -26,7 +26,7 @@ from dflash.training.commands import add_train_args, run_train
 from dflash.training.data import read_samples
 from dflash.training.initialise import init_from_target
 from dflash.training.loss import block_loss, draft_hidden
-from dflash.training.options import TrainOptions
+from dflash.training.options import TrainOptions, from_args
 from dflash.training.recipe import (
     block_visibility,
     build_blocks,
@@ -84,15 +84,27 @@ def pattern_records(succ: dict[int, int], n: int, seed: int, length: int = 40) -
     return out
 
 
-@pytest.fixture(scope="module")
-def pattern(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pattern")
+def write_pattern_data(root: Path, n: int) -> tuple[dict[int, int], Path]:
+    """The pattern target in ``root/target`` and ``n`` of its records in ``root/data``."""
     succ = make_pattern_target(root / "target")
     data = root / "data"
     data.mkdir()
     with (data / "gen-00.jsonl").open("w") as f:
-        for r in pattern_records(succ, 64, seed=1):
+        for r in pattern_records(succ, n, seed=1):
             f.write(json.dumps(r) + "\n")
+    return succ, data
+
+
+def assert_same_weights(a, b, atol: float = 1e-6) -> None:
+    a, b = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
+    for k in a:
+        assert mx.allclose(a[k], b[k], atol=atol).item(), k
+
+
+@pytest.fixture(scope="module")
+def pattern(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pattern")
+    succ, data = write_pattern_data(root, 64)
     held_out = [r["prompt_ids"] for r in pattern_records(succ, 4, seed=2)]
     return {"root": root, "target": root / "target", "data": data, "succ": succ,
             "held_out": held_out}
@@ -302,10 +314,7 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     resumed.run()
     assert resumed.step == 8
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
-    a = dict(tree_flatten(straight.draft.parameters()))
-    b = dict(tree_flatten(resumed.draft.parameters()))
-    for k in a:
-        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert_same_weights(straight.draft, resumed.draft)
     assert straight.history[-1]["step_loss"] == pytest.approx(resumed.history[-1]["step_loss"],
                                                               rel=1e-4)
     assert straight.history[-1]["loss"] == pytest.approx(resumed.history[-1]["loss"], rel=1e-3)
@@ -447,8 +456,104 @@ def test_interrupted_run_checkpoints_and_resumes_exactly(pattern, tmp_path):
     resumed = Trainer(opts(pattern, tmp_path / "b", steps=6, checkpoint_every=100, resume=True))
     assert resumed.step == 4
     resumed.run()
-    a = dict(tree_flatten(straight.draft.parameters()))
-    b = dict(tree_flatten(resumed.draft.parameters()))
-    for k in a:
-        assert mx.allclose(a[k], b[k], atol=1e-6).item(), k
+    assert_same_weights(straight.draft, resumed.draft)
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe levers: --optimizer, --loss, --time-budget
+
+
+def test_muon_updates_the_layer_matrices_and_adamw_the_rest(pattern, tmp_path):
+    """One step from the same weights on the same batch: Muon moves the drafter layers' 2-D
+    weights differently; everything else (norms, the context projection) gets the same AdamW step."""
+    trained = {}
+    for name in ("adamw", "muon"):
+        tr = Trainer(opts(pattern, tmp_path / name, optimizer=name))
+        tr.train_step(tr.make_batch(tr.samples[:4], np.random.default_rng(5)))
+        trained[name] = dict(tree_flatten(tr.draft.parameters()))
+    a, m = trained["adamw"], trained["muon"]
+    muon_keys = [k for k in a if k.startswith("layers.") and a[k].ndim == 2]
+    assert muon_keys
+    for k in a:
+        same = mx.allclose(a[k], m[k], atol=1e-7).item()
+        assert same != (k in muon_keys), k
+
+
+def _scrambled_labels(batch, rng):
+    labels = np.array(batch.labels)
+    valid = labels >= 0
+    labels[valid] = rng.permutation(labels[valid])
+    return mx.array(labels)
+
+
+def test_loss_kl_ignores_hard_labels_and_ce_ignores_the_top_k(pattern, tmp_path):
+    from dataclasses import replace
+
+    rng = np.random.default_rng(0)
+    losses = {}
+    for kind in ("kl", "ce", "mix"):
+        tr = Trainer(opts(pattern, tmp_path / kind, loss=kind, soft_topk=8, soft_weight=0.5))
+        batch = tr.make_batch(tr.samples[:4], np.random.default_rng(5))
+        w = tr.opts.loss_soft_weight
+        assert w == {"kl": 1.0, "ce": 0.0, "mix": 0.5}[kind]
+        assert (batch.soft_ids is None) == (kind == "ce")  # ce does not even read the top-k
+
+        def loss(b, tr=tr, w=w):
+            return block_loss(tr.draft, tr.embed, tr.head_w, b, w)[0].item()
+
+        base = loss(batch)
+        scrambled = loss(replace(batch, labels=_scrambled_labels(batch, rng)))
+        losses[kind] = (base, scrambled)
+        if kind == "kl":
+            assert scrambled == pytest.approx(base, rel=1e-6)
+        else:
+            assert abs(scrambled - base) > 1e-3 * base
+        if kind == "ce":
+            full = tr.make_batch(tr.samples[:4], np.random.default_rng(5))
+            other = Trainer(opts(pattern, tmp_path / "ce-topk", loss="mix", soft_topk=8))
+            topk = other.make_batch(other.samples[:4], np.random.default_rng(5))
+            with_topk = replace(full, soft_ids=topk.soft_ids, soft_p=topk.soft_p)
+            assert loss(with_topk) == pytest.approx(base, rel=1e-6)
+    # mix is the weighted sum of the two terms
+    assert losses["mix"][0] == pytest.approx(0.5 * losses["ce"][0] + 0.5 * losses["kl"][0],
+                                             rel=1e-5)
+    with pytest.raises(TrainConfigError, match="--loss kl"):
+        Trainer(opts(pattern, tmp_path / "x", loss="kl", soft_topk=0))
+
+
+def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(pattern, tmp_path):
+    kw = dict(steps=6, checkpoint_every=100, optimizer="muon", soft_topk=8, soft_weight=0.5)
+    straight = Trainer(opts(pattern, tmp_path / "a", **kw))
+    straight.run()
+    first = Trainer(opts(pattern, tmp_path / "b", time_budget=1e-6, **kw))
+    first.run()  # out of time after the first step: checkpoint + export, no exception
+    assert first.step == 1
+    assert (tmp_path / "b" / "train" / "step-0000001" / "state.json").is_file()
+    assert load_draft(tmp_path / "b").block_size == 8
+    again = Trainer(opts(pattern, tmp_path / "b", time_budget=1e-6, resume=True, **kw))
+    assert again.step == 1
+    again.run()
+    assert again.step == 2
+    resumed = Trainer(opts(pattern, tmp_path / "b", resume=True, **kw))
+    resumed.run()
+    assert resumed.step == 6
+    assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
+    assert_same_weights(straight.draft, resumed.draft)
+    steps = [json.loads(line)["step"]
+             for line in (tmp_path / "b" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 6]  # every 10th step and each invocation's last: none twice
+
+
+def test_recipe_flags_reach_the_options():
+    parser = add_train_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--data", "d", "--optimizer", "muon", "--muon-lr", "0.01",
+                              "--loss", "kl", "--time-budget", "90"])
+    o = TrainOptions(**{**from_args(args), "target": "t", "out": "o"})
+    assert (o.optimizer, o.muon_lr, o.loss, o.time_budget) == ("muon", 0.01, "kl", 90.0)
+    paths = dict(target="t", data="d", out="o")
+    assert o.budget_seconds == 90.0 and TrainOptions(**paths, max_minutes=1).budget_seconds == 60
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data", "d", "--loss", "hard"])
+    with pytest.raises(TrainConfigError, match="--time-budget"):
+        TrainOptions(**paths, time_budget=0).check()

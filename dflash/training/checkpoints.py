@@ -22,12 +22,21 @@ FORMAT_NOTE = "dflash train"
 STATE_FILE = "state.json"
 
 
+def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"step-{step:07d}"
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step a checkpoint folder (``step-NNNNNNN``) holds."""
+    return int(checkpoint.name.split("-")[1])
+
+
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoints (those with a state file), oldest first."""
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.glob("step-*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted(found, key=step_of)
 
 
 def prepare_output(out: Path, ckpt_dir: Path, resume: bool, force: bool,
@@ -65,7 +74,7 @@ def read_state(path: Path) -> dict:
 def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, keep: int) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = ckpt_dir / f"step-{step:07d}"
+    final = checkpoint_path(ckpt_dir, step)
     tmp = ckpt_dir / f".tmp-step-{step:07d}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -14,6 +14,7 @@ from ..default_pair import default_target_path
 from ..errors import TrainConfigError
 from ..target import load_target as load
 from ..target import target_parts
+from .distributed import init_ranks
 from .features import FeatureStore, precompute_features
 from .options import TrainOptions, add_arguments, from_args
 from .recipe import parse_taps
@@ -36,7 +37,8 @@ def run_train(args: argparse.Namespace) -> Path:
     if not opts.get("out"):
         raise TrainConfigError("--out: the output drafter folder is required")
     out = train(**opts)
-    log(f"train: drafter written to {out}")
+    if init_ranks().is_main:
+        log(f"train: drafter written to {out}")
     return out
 
 

@@ -14,6 +14,11 @@ features and the target's top-k distribution, stored under ``DATA/features/`` in
 refused. ``response_ids`` keep the final stop token: a drafter must learn to end. Resumable: a
 restart skips every prompt id already written (a line cut short by an interrupted run is ignored
 and its prompt generated again).
+
+Under ``mlx.launch`` (:mod:`dflash.training.distributed`) each rank generates its own shard of the
+prompts still to do into its own ``gen-<run>-r<rank>-<worker>.jsonl``. Every rank reads which ids
+are done, then rank 0 writes (or checks) the manifest, and only after a barrier do the others check
+it and anyone write a record, so the ranks agree on the work and never race on the manifest.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..workers import run_per_core
 from .capture import RolloutEngine
 from .data import Sample, read_records
 from .dataset import FORMAT, check_manifest, save_features, target_fingerprint
+from .distributed import init_ranks
 from .features import FeatureStore
 from .recipe import parse_taps
 
@@ -133,20 +139,30 @@ def datagen(target: str | None, prompts: str | Path, out: str | Path, max_tokens
                 "target_fingerprint": target_fingerprint(parts, config),
                 "taps": tap_ids, "topk": topk if features else None}
     del model, parts
-    out.mkdir(parents=True, exist_ok=True)
-    check_manifest(out, manifest)
-    finished = done_ids(out)
+    ranks = init_ranks()
+    finished = done_ids(out)  # before anyone writes: all ranks split the same work
+    if ranks.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        check_manifest(out, manifest)
+    ranks.barrier()
+    if not ranks.is_main:
+        check_manifest(out, manifest)  # rank 0 wrote it: only compares
     todo = [it for it in items if it["id"] not in finished]
-    log(f"datagen: {len(items)} prompts, {len(items) - len(todo)} already done, "
-        f"{len(todo)} to go -> {out}")
+    if ranks.is_main:
+        log(f"datagen: {len(items)} prompts, {len(items) - len(todo)} already done, "
+            f"{len(todo)} to go -> {out}" + (f" ({ranks.size} ranks)" if ranks.distributed else ""))
+    todo = ranks.shard(todo)
     if not todo:
         return out
     t0 = time.time()
     workers = min(workers, len(todo))
     opts = dict(chat_template=chat_template, system=system, progress=progress)
     tag = time.strftime("%Y%m%d%H%M%S")  # a new file per run: appends never interleave
+    if ranks.distributed:
+        tag += f"-r{ranks.rank}"
+    first = ranks.rank * workers  # a seed per (rank, worker): sampled runs differ across shards
     jobs = [(str(target), todo[w::workers], out, f"{tag}-{w:02d}", max_tokens, batch_size,
-             temperature, seed + w, tap_ids, topk) for w in range(workers)]
+             temperature, seed + first + w, tap_ids, topk) for w in range(workers)]
     if workers <= 1:
         _worker(*jobs[0], **opts)
     else:

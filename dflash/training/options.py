@@ -55,6 +55,15 @@ class TrainOptions:
     soft_weight: float = option(
         0.5, "weight of the soft-target term (target's own distribution), 0..1")
     soft_topk: int = option(16, "top-k of the target distribution kept for soft targets (0: none)")
+    loss: str = option(
+        "mix", "training loss: mix (hard-label cross-entropy and the teacher's top-k, weighted by "
+        "--soft-weight), kl (forward KL to the teacher's top-k only), ce (hard labels only)",
+        choices=("mix", "kl", "ce"))
+    optimizer: str = option(
+        "adamw", "adamw, or muon (Muon for the 2-D weight matrices of the drafter layers, AdamW "
+        "for the rest: norms, the context projection, anything not 2-D)",
+        choices=("adamw", "muon"))
+    muon_lr: float = option(0.02, "peak learning rate of the Muon part (--optimizer muon)")
     init: str = option(
         "none", "initialise drafter layers from target layers: "
         "none|first|last|spread|aligned|ids (aligned: the layers after the "
@@ -93,6 +102,9 @@ class TrainOptions:
     eval_block_sizes: str = option("16")
     seed: int = option(0)
     max_minutes: float | None = option(None, "stop (with a checkpoint) after this much wall time")
+    time_budget: float | None = option(
+        None, "stop cleanly after SECONDS of wall time: checkpoint, export, exit 0 (continue "
+        "with --resume)")
     stop_after: int | None = option(
         None, "stop (with a checkpoint) after this many steps of this invocation")
     resume: bool = option(False, "continue from the last checkpoint")
@@ -110,6 +122,27 @@ class TrainOptions:
             raise TrainConfigError("--steps, --batch-seqs and --anchors must be >= 1")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise TrainConfigError(f"--soft-weight {self.soft_weight}: must be in [0, 1]")
+        if self.loss == "kl" and self.soft_topk < 1:
+            raise TrainConfigError("--loss kl needs the teacher's top-k (--soft-topk >= 1)")
+        for name in ("time_budget", "max_minutes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise TrainConfigError(f"--{name.replace('_', '-')} {value}: must be > 0")
+
+    @property
+    def loss_soft_weight(self) -> float:
+        """The weight of the soft (teacher top-k) term that ``--loss`` means: the loss is
+        ``(1 - w) * hard-label CE + w * CE to the teacher's top-k``; the latter is the forward KL
+        to the top-k up to the teacher's entropy, a constant."""
+        return {"ce": 0.0, "kl": 1.0}.get(self.loss, self.soft_weight)
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """Wall time after which the run stops cleanly (``--time-budget``, ``--max-minutes``)."""
+        limits = [x for x in (self.time_budget,
+                              None if self.max_minutes is None else 60 * self.max_minutes)
+                  if x is not None]
+        return min(limits) if limits else None
 
 
 def _value_type(annotation) -> type:

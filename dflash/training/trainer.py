@@ -5,6 +5,11 @@ the data order (:class:`~dflash.training.data.DataOrder`), the training vocabula
 (:class:`~dflash.training.vocab.TrainingVocab`), target features, checkpoints and evaluation live
 in their own modules. All state needed to resume is in checkpoints: a resumed run takes the same
 steps, on the same data, with the same numbers as one that never stopped.
+
+Under ``mlx.launch`` the run is data-parallel (:mod:`dflash.training.distributed`): every rank
+walks the same data order, takes its own ``batch_seqs`` of each step's ``batch_seqs * ranks``
+sequences, and the gradients are averaged, so all ranks hold the same weights; rank 0 alone
+writes checkpoints, metrics and the export, and all ranks resume from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
 from .data import DataOrder, Sample, read_samples, seen_ids
+from .distributed import init_ranks
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
 from .features import FeatureStore, precompute_features
 from .initialise import (
@@ -53,6 +59,11 @@ def _status(message: str) -> None:
         log(message)
 
 
+def _is_muon_weight(path: str, weight: mx.array) -> bool:
+    """Muon takes the 2-D weight matrices of the drafter layers; AdamW everything else."""
+    return path.startswith("layers.") and weight.ndim == 2
+
+
 class Trainer:
     """One training run; ``Trainer(opts).run()``. All state needed to resume is in checkpoints."""
 
@@ -61,8 +72,20 @@ class Trainer:
         o.check()
         self.out = Path(o.out)
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
-        self.resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume, o.force,
-                                                      bool(o.checkpoint_dir))
+        self.ranks = init_ranks()
+        if self.ranks.distributed and o.refresh_data:
+            # each rank would reread a growing data set at its own moment and split another order
+            raise TrainConfigError("--refresh-data: not with several ranks (mlx.launch); restart "
+                                   "the run with --resume to pick up new samples")
+        self.resume_from = None
+        if self.ranks.is_main:
+            self.resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume,
+                                                          o.force, bool(o.checkpoint_dir))
+        if self.ranks.distributed:  # every rank resumes from rank 0's choice
+            step = self.ranks.from_main(-1 if self.resume_from is None
+                                        else checkpoints.step_of(self.resume_from))
+            self.resume_from = None if step < 0 else checkpoints.checkpoint_path(self.ckpt_dir,
+                                                                                 step)
         saved = checkpoints.read_state(self.resume_from) if self.resume_from else None
 
         # Target
@@ -116,14 +139,7 @@ class Trainer:
         if o.only_cached:
             samples = self._cached(samples)
 
-        # Optimizer
-        warm = max(1, int(round(o.warmup * o.steps)))
-        sched = optim.join_schedules(
-            [optim.linear_schedule(o.lr * 1e-3, o.lr, warm),
-             optim.cosine_decay(o.lr, max(1, o.steps - warm), o.lr * o.min_lr_ratio)],
-            [warm])
-        self.optimizer = optim.AdamW(learning_rate=sched, weight_decay=o.weight_decay,
-                                     bias_correction=True)
+        self.optimizer = self._make_optimizer()
 
         # Data order / step
         self.data = DataOrder(samples, o.data, o.seed, o.val_percent, o.val_n,
@@ -140,6 +156,27 @@ class Trainer:
         if o.eval_prompts and o.eval_every:
             self.eval_prompts = load_eval_prompts(o.eval_prompts, self.tokenizer, o.eval_n)
         self._vg = None
+
+    def _schedule(self, peak: float):
+        """Linear warm-up to ``peak``, then cosine decay to ``peak * --min-lr-ratio``."""
+        o = self.opts
+        warm = max(1, int(round(o.warmup * o.steps)))
+        return optim.join_schedules(
+            [optim.linear_schedule(peak * 1e-3, peak, warm),
+             optim.cosine_decay(peak, max(1, o.steps - warm), peak * o.min_lr_ratio)],
+            [warm])
+
+    def _make_optimizer(self) -> optim.Optimizer:
+        """AdamW; with ``--optimizer muon``, Muon for the layers' weight matrices (AdamW last:
+        it is the fallback of :class:`~mlx.optimizers.MultiOptimizer`)."""
+        o = self.opts
+        adamw = optim.AdamW(learning_rate=self._schedule(o.lr), weight_decay=o.weight_decay,
+                            bias_correction=True)
+        self._adamw = adamw  # its learning rate is the one logged
+        if o.optimizer == "adamw":
+            return adamw
+        muon = optim.Muon(learning_rate=self._schedule(o.muon_lr), weight_decay=o.weight_decay)
+        return optim.MultiOptimizer([muon, adamw], [_is_muon_weight])
 
     # -- views of the parts ----------------------------------------------------------------
     @property
@@ -186,11 +223,12 @@ class Trainer:
         if not o.feature_workers or self.features.cache_dir is None:
             return
         missing = sum(not self.features.has(s) for s in samples)
-        if missing:
+        if missing and self.ranks.is_main:
             _status(f"train: computing target features of {missing} samples with "
                     f"{o.feature_workers} processes")
             precompute_features(o.target, o.data, self.taps, o.soft_topk, self.features.cache_dir,
                                 o.max_len, o.skip_truncated, o.feature_workers, o.progress)
+        self.ranks.barrier()  # the others wait for rank 0's cache
 
     def _cached(self, samples: list[Sample]) -> list[Sample]:
         if self.features.cache_dir is None:
@@ -202,22 +240,30 @@ class Trainer:
         return kept
 
     def _next_samples(self) -> list[Sample]:
-        return self.data.next_samples(self.opts.batch_seqs)
+        """This rank's sequences of the step: every rank advances the same data order by
+        ``batch_seqs * ranks`` and takes its own shard."""
+        return self.ranks.shard(self.data.next_samples(self.opts.batch_seqs * self.ranks.size))
+
+    def _step_rng(self) -> np.random.Generator:
+        """The step's anchors and negatives (each rank draws its own)."""
+        key = [self.opts.seed, self.step, 3] + ([self.ranks.rank] if self.ranks.distributed else [])
+        return np.random.default_rng(key)
 
     # -- one step --------------------------------------------------------------------------
     def make_batch(self, samples: list[Sample], rng: np.random.Generator,
                    n_anchors: int | None = None) -> Batch:
         o = self.opts
         return make_batch(samples, rng, self.features, self.vocab, self.draft,
-                          n_anchors or o.anchors, self.row_w, o.soft_weight, o.negatives)
+                          n_anchors or o.anchors, self.row_w, o.loss_soft_weight, o.negatives)
 
     def train_step(self, batch: Batch) -> dict:
         if self._vg is None:
             def loss_fn(draft, head_w, batch):
-                return block_loss(draft, self.embed, head_w, batch, self.opts.soft_weight)
+                return block_loss(draft, self.embed, head_w, batch, self.opts.loss_soft_weight)
 
             self._vg = nn.value_and_grad(self.draft, loss_fn)
         (loss, hard, correct, hidden), grads = self._vg(self.draft, self.vocab.head_w, batch)
+        grads = self.ranks.average_gradients(grads)
         grads, gnorm = optim.clip_grad_norm(grads, self.opts.grad_clip)
         self.optimizer.update(self.draft, grads)
         mx.eval(self.draft.parameters(), self.optimizer.state, loss, hard, correct, gnorm)
@@ -226,7 +272,10 @@ class Trainer:
         o = self.opts
         if o.vocab == "data" and o.mine_every and (self.step + 1) % o.mine_every == 0:
             rng = np.random.default_rng([o.seed, self.step, 11])
-            self.vocab.mine(hidden, np.array(batch.labels) >= 0, rng)
+            new = self.ranks.union(self.vocab.mine_candidates(hidden, np.array(batch.labels) >= 0,
+                                                              rng))
+            if len(new):
+                self.vocab.add(new)
         return stats
 
     # -- evaluation ------------------------------------------------------------------------
@@ -249,7 +298,10 @@ class Trainer:
             "history": self.history[-200:], "ema": self.ema, "data_samples": len(self.samples),
         }
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Checkpoint and export (rank 0; the other ranks hold the same weights)."""
+        if not self.ranks.is_main:
+            return None
         final = checkpoints.save_checkpoint(self.ckpt_dir, self.step, self.draft, self.optimizer,
                                             self._state(), self.opts.keep_checkpoints)
         self.export()
@@ -257,8 +309,9 @@ class Trainer:
 
     def export(self, out: Path | None = None) -> Path:
         meta = {"step": self.step, "samples": len(self.samples), "seed": self.opts.seed,
-                "soft_weight": self.opts.soft_weight, "init": self.opts.init,
-                "gamma": self.gamma}
+                "soft_weight": self.opts.loss_soft_weight, "loss": self.opts.loss,
+                "optimizer": self.opts.optimizer, "init": self.opts.init, "gamma": self.gamma,
+                "ranks": self.ranks.size}
         if self.history:
             last = {k: v for k, v in self.history[-1].items() if k.startswith(("tau_", "val_"))}
             meta.update(last)
@@ -289,14 +342,17 @@ class Trainer:
         o = self.opts
         t_start = time.time()
         end_step = o.steps if o.stop_after is None else min(o.steps, self.step + o.stop_after)
+        main = self.ranks.is_main
+        budget = o.budget_seconds
         bar = tqdm(total=o.steps, initial=self.step, desc="train", unit="step",
-                   disable=not o.progress, dynamic_ncols=True, mininterval=2.0)
+                   disable=not (o.progress and main), dynamic_ncols=True, mininterval=2.0)
         val = self.data.validation()
         rows = 0
         t_rows = time.perf_counter()
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if main:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         while self.step < end_step:
-            rng = np.random.default_rng([o.seed, self.step, 3])
+            rng = self._step_rng()
             before = (self.data.state(), self.draft.parameters(),
                       tree_map(lambda x: x, self.optimizer.state))
             try:
@@ -309,7 +365,7 @@ class Trainer:
                 self.draft.update(params)
                 self.optimizer.state = opt_state
                 bar.close()
-                if self.step > 0:
+                if self.step > 0 and main:
                     log(f"train: interrupted; checkpoint at step {self.step} "
                         f"({self.save_checkpoint()}); continue with --resume")
                 raise
@@ -318,30 +374,33 @@ class Trainer:
             rows_s = rows / (time.perf_counter() - t_rows)
             self.ema = st if self.ema is None else {k: 0.95 * self.ema[k] + 0.05 * st[k]
                                                     for k in st}
-            lr = float(self.optimizer.learning_rate)
+            lr = float(self._adamw.learning_rate)
             bar.set_postfix(loss=f"{self.ema['loss']:.3f}", acc1=f"{self.ema['acc1']:.2f}",
                             tau=f"{self.ema['tau']:.2f}", lr=f"{lr:.1e}", rows_s=f"{rows_s:.0f}")
             bar.update(1)
             last = self.step >= end_step
+            # all ranks stop at the same step, or the others would wait for it forever
+            out_of_time = self.ranks.any(budget is not None and time.time() - t_start > budget)
             record = None
-            if self.step % 10 == 0 or last:
+            if self.step % 10 == 0 or last or out_of_time:
                 record = {"step": self.step, "epoch": self.epoch, "lr": lr,
                           "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
                           **{k: round(v, 4) for k, v in self.ema.items()},
                           "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids)}
-            if o.eval_every and (self.step % o.eval_every == 0 or last):
+            if o.eval_every and main and (self.step % o.eval_every == 0 or last):
                 record = record or {"step": self.step}
                 record.update(self._evaluate(val))
-            if record:
+            if record and main:
                 self._record(record)
-            out_of_time = o.max_minutes is not None and (time.time() - t_start) > 60 * o.max_minutes
             if self.step % o.checkpoint_every == 0 or last or out_of_time:
                 self.save_checkpoint()
             if out_of_time:
-                _status(f"train: time budget reached at step {self.step}; resume with --resume")
+                if main:
+                    _status(f"train: time budget reached at step {self.step}; "
+                            "resume with --resume")
                 break
         bar.close()
-        if self.step >= o.steps:
+        if self.step >= o.steps and main:
             self.export()
         return self.out
 

@@ -70,15 +70,20 @@ class TrainingVocab:
         the argmax of the full head: without this, a few "hub" tokens win most rows there.
         Returns how many ids joined.
         """
+        new = self.mine_candidates(hidden, valid, rng, max_rows, k)
+        if len(new):
+            self.add(new)
+        return len(new)
+
+    def mine_candidates(self, hidden: mx.array, valid: np.ndarray, rng: np.random.Generator,
+                        max_rows: int = 512, k: int = 4) -> np.ndarray:
+        """The sorted ids :meth:`mine` would add (data-parallel ranks add the union of theirs)."""
         rows = np.flatnonzero(valid.reshape(-1))
         if not len(rows):
-            return 0
+            return np.zeros(0, dtype=np.int64)
         rows = rng.choice(rows, size=min(max_rows, len(rows)), replace=False)
         h = hidden.reshape(-1, hidden.shape[-1])[mx.array(rows)]
         logits = h @ self.head_full.T
         top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
         ids = np.unique(np.array(top))
-        new = ids[self.to_sub[ids] < 0]
-        if len(new):
-            self.add(new)
-        return len(new)
+        return ids[self.to_sub[ids] < 0]
