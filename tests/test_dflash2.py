@@ -3,17 +3,13 @@ identity and block locality, the selector's walk, and the errors bad checkpoints
 
 import json
 import shutil
-import subprocess
-import sys
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from dflash2_fixtures import write_dflash2_drafter
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from test_model_card import MODEL_CARD
+from test_model_card import run_model_card, write_mlx_6bit
 
 from dflash.dflash2 import CandidateSelector, GroupedDynamicConv, block_conv, walk
 from dflash.drafter import load_draft
@@ -48,18 +44,6 @@ def fingerprint(draft, parts, anchor=7, seed=0):
     cache = draft.make_cache()
     draft.append_context(taps, cache)
     return draft.block_logits(parts, anchor, draft.block_size, cache), cache
-
-
-def write_mlx_6bit(src, dst):
-    """The model card's MLX form: uniform 6-bit, group 64 (codebooks as quantized embeddings)."""
-    dst.mkdir()
-    model = load_draft(str(src), dtype=mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=6)
-    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization"] = {"group_size": 64, "bits": 6}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,9 +344,4 @@ def test_model_card_snippet_runs_with_a_dflash2_drafter(tmp_path, tiny_pair):
     hf = write_dflash2_drafter(tmp_path / "hf", v1)
     six = write_mlx_6bit(hf, tmp_path / "Qwen3.5-4B-DFlash2-MLX-6bit")
     for draft in (hf, six):
-        code = (MODEL_CARD.replace('"Qwen/Qwen3.5-4B"', repr(str(target)))
-                .replace('"Qwen3.5-4B-DFlash-MLX-6bit"', repr(str(draft))))
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert len(run.stdout) > 100
+        run_model_card(target, draft)

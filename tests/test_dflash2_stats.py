@@ -21,19 +21,16 @@ import test_sampling_stats as stats
 from dflash2_fixtures import write_dflash2_drafter
 from test_sampling_stats import (
     ALPHA,
-    BLOCK,
     CASES,
-    LOGIT_SCALE,
     K,
-    V,
     all_prefixes,
     chi_square,
     exact_joint,
     reference_next,
     run_dflash,
+    sharp_target,
     target_logits,
 )
-from tiny_models import write_drafter, write_target
 
 from dflash.dflash2 import walk
 from dflash.drafter import load_draft
@@ -42,17 +39,10 @@ from dflash.sampling import _row_dist
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from mlx_lm.utils import load_model
-
     root = tmp_path_factory.mktemp("stats2")
-    tpath = write_target(root / "target", "qwen3", vocab_size=V, with_tokenizer=False,
-                         hidden=32, layers=1, seed=3)
-    v1 = write_drafter(root / "v1", tpath, layers=1, taps=(0,), block_size=BLOCK)
-    dpath = write_dflash2_drafter(root / "draft", v1, group=16, rank=8, top_k=5,
+    model, v1 = sharp_target(root)
+    dpath = write_dflash2_drafter(root / "dflash2", v1, group=16, rank=8, top_k=5,
                                   sliding_window=None)
-    model, _ = load_model(tpath)
-    model.lm_head.weight = model.lm_head.weight * LOGIT_SCALE
-    mx.eval(model.parameters())
     return model, load_draft(dpath)
 
 
