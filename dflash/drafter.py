@@ -1,9 +1,13 @@
-"""The DFlash drafter: a short stack of Qwen3-style layers that fills a whole block in one pass.
+"""The DFlash drafters: a short stack of Qwen3-style layers that fills a whole block in one pass.
 
 It owns no embedding table and no LM head: the loop embeds the block with the target's
 ``embed_tokens`` and reads logits with the target's head. Conditioning comes from target layer
 outputs (``target_layer_ids``), projected by ``fc`` and normalised by ``hidden_norm``; in every layer
 those context rows are injected as extra keys/values next to the block's own.
+
+Two architectures, told apart by ``architectures[0]``: v1 (``DFlashDraftModel``) proposes each
+position's argmax; DFlash2 (``DFlash2DraftModel``) adds the convolution, selector and windowed
+cache of :mod:`dflash.dflash2`. The loop asks either for ``block_logits`` then ``propose``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
@@ -20,7 +25,11 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from . import backend
 from .checkpoint import drafter_weights, read_config, read_weights, resolve_path
+from .dflash2 import CandidateSelector, DFlash2Cache, GroupedDynamicConv, WindowCache, walk
 from .errors import DraftCheckpointError
+
+V1, V2 = "DFlashDraftModel", "DFlash2DraftModel"
+ARCHITECTURES = (V1, V2)
 
 
 @dataclass
@@ -48,6 +57,16 @@ class DFlashConfig:
     # Optional: the drafter proposes only these ids (a cut of the target's head). Verification is
     # the target's, so output stays exact; drafting gets cheaper when the vocabulary is large.
     draft_vocab_ids: list[int] | None = None
+    architecture: str = V1
+    # DFlash2 only (None for v1): convolution taps and channels per dynamic coefficient, the
+    # selector's rank and candidates per position, and the scaling of its unary logits.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
     raw: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -60,6 +79,10 @@ class DFlashConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == V2
+
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> DFlashConfig:
         """Read every config variant in the wild: fields at the top level or nested."""
@@ -67,6 +90,12 @@ class DFlashConfig:
             raise DraftCheckpointError(f"{source}: expected a JSON object")
         dflash = cfg.get("dflash_config") or {}
         rope = cfg.get("rope_parameters") or {}
+        archs = cfg.get("architectures") or [V1]
+        arch = archs[0] if isinstance(archs, list) and archs else archs
+        if arch not in ARCHITECTURES:
+            raise DraftCheckpointError(
+                f"{source}: `architectures` is {archs!r}; this loader knows "
+                f"{' and '.join(ARCHITECTURES)}")
 
         def pick(name, *places, default=None):
             for place in places:
@@ -89,7 +118,7 @@ class DFlashConfig:
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
             rope_scaling = rope
-        return cls(
+        fields = dict(
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=cfg["num_attention_heads"],
@@ -98,7 +127,9 @@ class DFlashConfig:
             vocab_size=cfg["vocab_size"],
             target_layer_ids=[int(i) for i in taps],
             mask_token_id=int(mask_id),
-            block_size=int(pick("block_size", cfg, dflash, default=16)),
+            # DFlash2 moved block_size into dflash_config (8 in the released drafters).
+            block_size=int(pick("block_size", dflash, cfg, default=8) if arch == V2
+                           else pick("block_size", cfg, dflash, default=16)),
             head_dim=cfg.get("head_dim"),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
@@ -111,7 +142,56 @@ class DFlashConfig:
             draft_vocab_ids=pick("draft_vocab_ids", dflash),
             attention_bias=bool(cfg.get("attention_bias", False)),
             raw=cfg,
+            architecture=arch,
         )
+        if arch == V2:
+            fields.update(_dflash2_fields(cfg, dflash, source))
+        config = cls(**fields)
+        if arch == V2:
+            config.validate_dflash2(source)
+        return config
+
+    def validate_dflash2(self, source: str) -> None:
+        """The bounds a DFlash2 drafter needs, each error naming its field."""
+        def bad(name, value, rule):
+            raise DraftCheckpointError(f"{source}: `dflash_config.{name}` = {value!r} {rule}")
+
+        if not 1 <= self.conv_kernel_size <= self.block_size:
+            bad("conv_kernel_size", self.conv_kernel_size,
+                f"must be in 1..block_size ({self.block_size}): the taps stay inside one block")
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            bad("conv_group_size", self.conv_group_size,
+                f"must divide hidden_size ({self.hidden_size})")
+        if self.selector_rank < 1:
+            bad("selector_rank", self.selector_rank, "must be >= 1")
+        if not 1 <= self.selector_top_k <= self.vocab_size:
+            bad("selector_top_k", self.selector_top_k,
+                f"must be in 1..vocab_size ({self.vocab_size})")
+        if self.draft_vocab_ids is not None:
+            bad("draft_vocab_ids", "...", "is not supported with DFlash2 (the selector scores "
+                "the whole vocabulary's top candidates)")
+
+
+def _dflash2_fields(cfg: dict, dflash: dict, source: str) -> dict:
+    """DFlash2's ``dflash_config`` fields: the four shape fields are required, the three scalings
+    default to no-ops."""
+    out = {}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = dflash.get(name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise DraftCheckpointError(
+                f"{source}: `dflash_config.{name}` is missing or not an integer (DFlash2 needs it)")
+        out[name] = value
+    for name, default in (("output_multiplier", 1.0), ("input_embedding_scale", 1.0),
+                          ("final_logit_softcapping", None)):
+        value = dflash.get(name, cfg.get(name, default))
+        if value is not None and not isinstance(value, (int, float)):
+            raise DraftCheckpointError(f"{source}: `dflash_config.{name}` must be a number")
+        out[name] = None if value is None else float(value)
+    # is_causal: false (the released drafters): every block token sees the whole block.
+    out["sliding_block_causal"] = bool(dflash.get("sliding_block_causal",
+                                                  cfg.get("is_causal", False)))
+    return out
 
 
 class DraftAttention(nn.Module):
@@ -205,8 +285,14 @@ class DFlashDraftModel(nn.Module):
         self.config = cfg
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = [DraftLayer(cfg, t) for t in cfg.layer_types]
+        self.layers = [self.make_layer(cfg, t) for t in self.layer_types()]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def make_layer(self, cfg: DFlashConfig, layer_type: str) -> nn.Module:
+        return DraftLayer(cfg, layer_type)
+
+    def layer_types(self) -> list[str]:
+        return self.config.layer_types
 
     @property
     def block_size(self) -> int:
@@ -241,6 +327,12 @@ class DFlashDraftModel(nn.Module):
         logits[:, ids] = hidden @ rows.T
         return logits
 
+    def propose(self, draft_logits: mx.array, anchor: int, cache: list, sampler,
+                history: list[int]) -> tuple[mx.array, list | None]:
+        """Proposals ``(P,)`` for the first ``P`` rows of :meth:`block_logits`, and their ``q``
+        when sampled: each row's own (processed) distribution (:meth:`BlockSampler.propose`)."""
+        return sampler.propose(draft_logits, history)
+
     def head_cut(self, target) -> tuple[mx.array, mx.array]:
         """``(ids, rows)``: the draft vocabulary and the target head's rows for it, cut once per
         target and vocabulary."""
@@ -268,19 +360,112 @@ class DFlashDraftModel(nn.Module):
         for layer, layer_cache in zip(self.layers, cache):
             attn = layer.self_attn
             ctx_keys, ctx_values = layer_cache.keys_and_values()
-            mask = block_mask(ctx_keys.shape[2], x.shape[1], attn.sliding_window,
-                              attn.block_causal, block_start)
+            n_context = ctx_keys.shape[2]  # a bounded cache holds the last rows only
+            mask = block_mask(n_context, x.shape[1], attn.sliding_window,
+                              attn.block_causal, block_start, block_start - n_context)
             x = layer(x, ctx_keys, ctx_values, block_start, mask)
         return self.norm(x)
+
+
+class DFlash2Layer(DraftLayer):
+    """A v1 layer with a grouped dynamic convolution on both sides of each sublayer. Only the
+    block's own tokens are convolved; context keys/values enter the attention unconvolved."""
+
+    def __init__(self, cfg: DFlashConfig, layer_type: str):
+        super().__init__(cfg, layer_type)
+        taps, group = cfg.conv_kernel_size, cfg.conv_group_size
+        self.attention_conv = GroupedDynamicConv(cfg.hidden_size, taps, group)
+        self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, taps, group)
+
+    def __call__(self, x, ctx_keys, ctx_values, block_start, mask):
+        def attend(a):
+            return self.self_attn(a, ctx_keys, ctx_values, block_start, mask)
+
+        h = x + self.attention_conv(self.input_layernorm(x), attend)
+        return h + self.mlp_conv(self.post_attention_layernorm(h), self.mlp)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: the v1 backbone with convolutions, every layer sliding (when the config gives a
+    window) over a context cache bounded by it, and a candidate selector choosing the chain."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__(cfg)
+        self.candidate_selector = CandidateSelector(
+            cfg.hidden_size, cfg.selector_rank, cfg.vocab_size, cfg.selector_top_k,
+            cfg.output_multiplier, cfg.final_logit_softcapping)
+
+    def make_layer(self, cfg: DFlashConfig, layer_type: str) -> nn.Module:
+        return DFlash2Layer(cfg, layer_type)
+
+    def layer_types(self) -> list[str]:
+        kind = "full_attention" if self.config.sliding_window is None else "sliding_attention"
+        return [kind] * self.config.num_hidden_layers
+
+    def make_cache(self) -> DFlash2Cache:
+        window = self.config.sliding_window
+        return DFlash2Cache(KVCache() if window is None else WindowCache(window - 1)
+                            for _ in self.layers)
+
+    def append_context(self, taps: mx.array, cache: list) -> None:
+        """As v1, but rows that fall out of the window before any block sees them are skipped
+        (a long prompt projects only its last ``window - 1`` rows)."""
+        window = self.config.sliding_window
+        n = taps.shape[1]
+        skip = 0 if window is None else max(n - (window - 1), 0)
+        context = self.project_context(taps[:, skip:])
+        for layer, layer_cache in zip(self.layers, cache):
+            if skip:
+                layer_cache.skip(skip)
+            layer_cache.update_and_fetch(*layer.self_attn.context_kv(context, layer_cache.offset))
+
+    def block_logits(self, target, anchor: int, block_len: int, cache: list) -> mx.array:
+        """The selector's unary logits ``U`` ``(block_len - 1, V)``; the hidden states stay in
+        ``cache`` for :meth:`propose`."""
+        block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
+        embeds = target.embed(block) * self.config.input_embedding_scale
+        hidden = self(embeds, cache)[0, 1:]
+        cache.block_hidden = hidden
+        return self.candidate_selector.unary(target.head(hidden))
+
+    def propose(self, draft_logits: mx.array, anchor: int, cache: list, sampler,
+                history: list[int]) -> tuple[mx.array, list | None]:
+        """The selector's walk over the first ``P`` rows: argmax, or (sampled proposals at T > 0)
+        a draw from softmax(score / T) over each row's candidates, whose distribution is the
+        ``q`` returned for rejection sampling. Filters and penalties stay on the target side."""
+        rows = draft_logits.shape[0]
+        ids, values, first, rest = self.candidate_selector.lattice(
+            cache.block_hidden[:rows], draft_logits, anchor)
+        if not sampler.samples_proposals:
+            return mx.array(walk(ids, values, first, rest, lambda _, s: int(np.argmax(s)))), None
+        qs = []
+
+        def draw(candidates, scores):
+            index, q = sampler.draw_scores(candidates, scores)
+            qs.append(q)
+            return index
+
+        return mx.array(walk(ids, values, first, rest, draw)), qs
 
 
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 
+# DFlash2 checkpoints store the selector's codebooks as bare tensors; here they are embeddings.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint names -> module parameter names (the codebooks gain ``.weight``; quantized
+    folders already store ``.weight``/``.scales``/``.biases`` and are left as they are)."""
+    return {f"{k}.weight" if k in CODEBOOKS else k: v for k, v in weights.items()}
+
+
 def build_draft(cfg: DFlashConfig, weights: dict[str, mx.array], source: str,
                 quantization: dict | None = None) -> DFlashDraftModel:
-    model = DFlashDraftModel(cfg)
+    model = DFlash2DraftModel(cfg) if cfg.is_dflash2 else DFlashDraftModel(cfg)
+    weights = sanitize(weights)
     if quantization:
         def predicate(p, m):
             if p in quantization:

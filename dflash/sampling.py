@@ -425,6 +425,17 @@ class BlockSampler:
 
     # -- drafting and acceptance -----------------------------------------------------------
 
+    @property
+    def samples_proposals(self) -> bool:
+        """Proposals are drawn (and accepted against their ``q``), not the drafter's argmax."""
+        return self.cfg.proposal == "sample" and not self.greedy
+
+    def draw_scores(self, ids: np.ndarray, scores: np.ndarray) -> tuple[int, RowDist]:
+        """An index drawn from softmax(scores / temperature) over ``ids``, and that distribution
+        (a proposal's ``q``: no filters, which stay on the target side)."""
+        q = _row_dist(ids, np.asarray(scores, dtype=np.float64) / self.cfg.temperature)
+        return int(_draw(self.rng, q.probs)), q
+
     def propose(self, draft_logits: mx.array,
                 history: list[int]) -> tuple[mx.array, list[RowDist] | None]:
         """Proposals ``(P,)`` from drafter logits ``(P, V)`` and, when sampled, their ``q``.
@@ -435,7 +446,7 @@ class BlockSampler:
         exactly the distribution each proposal was drawn from. Custom processors are left to the
         target (any proposal distribution is exact).
         """
-        sampled = self.cfg.proposal == "sample" and not self.greedy
+        sampled = self.samples_proposals
         rows, vocab = draft_logits.shape
         logits = self._bias(draft_logits)
         if not sampled and not self.penalties:

@@ -318,7 +318,8 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
             log_conf = log_probs[:, 0]
         if plan.tree is not None:
             return _verify_tree(parts, draft, request, state, plan, log_conf, bs)
-        proposals, q = sampler.propose(draft_logits[:plan.rows], state.history)
+        proposals, q = draft.propose(draft_logits[:plan.rows], anchor, state.dcache, sampler,
+                                     state.history)
         proposals = proposals.tolist()
     drafted = time.perf_counter()
 

@@ -60,17 +60,22 @@ def write_mlx_6bit(src, dst):
     return dst
 
 
+def run_model_card(target, draft) -> None:
+    """The snippet, verbatim but for the two paths, in a fresh interpreter."""
+    code = (MODEL_CARD.replace('"Qwen/Qwen3.5-4B"', repr(str(target)))
+            .replace('"Qwen3.5-4B-DFlash-MLX-6bit"', repr(str(draft))))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert len(run.stdout) > 100
+
+
 @pytest.mark.slow
 def test_model_card_snippet_runs_verbatim(tmp_path, tiny_pair):
     target, hf_draft = tiny_pair("qwen3_5_wrapped")
     mlx_draft = write_mlx_6bit(hf_draft, tmp_path / "Qwen3.5-4B-DFlash-MLX-6bit")
     for draft in (hf_draft, mlx_draft):
-        code = (MODEL_CARD.replace('"Qwen/Qwen3.5-4B"', repr(str(target)))
-                .replace('"Qwen3.5-4B-DFlash-MLX-6bit"', repr(str(draft))))
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert len(run.stdout) > 100
+        run_model_card(target, draft)
 
 
 @pytest.mark.slow

@@ -76,17 +76,22 @@ CASES = {
 # Models
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def sharp_target(root):
+    """The tiny target (its folder, and the model with the sharpened head) and a v1 drafter."""
     from mlx_lm.utils import load_model
 
-    root = tmp_path_factory.mktemp("stats")
     tpath = write_target(root / "target", "qwen3", vocab_size=V, with_tokenizer=False,
                          hidden=32, layers=1, seed=3)
     dpath = write_drafter(root / "draft", tpath, layers=1, taps=(0,), block_size=BLOCK)
     model, _ = load_model(tpath)
     model.lm_head.weight = model.lm_head.weight * LOGIT_SCALE
     mx.eval(model.parameters())
+    return model, dpath
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    model, dpath = sharp_target(tmp_path_factory.mktemp("stats"))
     return model, load_draft(dpath)
 
 
