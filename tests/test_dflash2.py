@@ -339,6 +339,7 @@ def test_bad_tensor_names_the_tensor(tmp_path, dflash2_pair, tensor, fault):
 # The model card
 
 
+@pytest.mark.slow
 def test_model_card_snippet_runs_with_a_dflash2_drafter(tmp_path, tiny_pair):
     target, v1 = tiny_pair("qwen3_5_wrapped")
     hf = write_dflash2_drafter(tmp_path / "hf", v1)

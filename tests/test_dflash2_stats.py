@@ -36,6 +36,8 @@ from dflash.dflash2 import walk
 from dflash.drafter import load_draft
 from dflash.sampling import _row_dist
 
+pytestmark = pytest.mark.slow  # chi-square runs: the full suite only
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
