@@ -27,17 +27,24 @@ mkdir -p "$D"
 # datagen skips them; training recomputes their features (dflash train --features-only).
 ls "$D"/gen-*/gen-*.jsonl >/dev/null 2>&1 || $PY scripts/snapshot_training_data.py "$D" --restore
 
+lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
+magpie_upto() {  # magpie_upto OUT TOTAL [ARGS...]: top the prompt file up to TOTAL turns (resumable)
+  local out=$1 total=$2; shift 2
+  local need=$((total - $(lines "$out")))
+  [ "$need" -le 0 ] || $PY -m dflash magpie --out "$out" --n "$need" --batch-size "$BATCH" "$@"
+}
+
 gen() {  # gen PROMPTS OUT DOMAIN LIMIT
   $PY -m dflash datagen --prompts "$1" --out "$2" --domain "$3" --limit "$4" \
       --max-tokens 384 --batch-size "$BATCH" --no-progress
 }
 
+# Chat first: the drafter has seen no chat at all, and chat is where it loses to plain decoding.
 for round in $(seq 1 "$ROUNDS"); do
-  gen "$D/gsm8k-train-part.jsonl" "$D/gen-math" math $((round * 1000))
-  $PY -m dflash magpie --out "$D/chat-prompts.jsonl" --n 700 --batch-size "$BATCH" --seed "$round"
+  magpie_upto "$D/chat-prompts.jsonl" $((round * 700)) --seed "$round"
   gen "$D/chat-prompts.jsonl" "$D/gen-chat" chat 1000000
+  gen "$D/gsm8k-train-part.jsonl" "$D/gen-math" math $((round * 1000))
   gen "$D/code-prompts.jsonl" "$D/gen-code" code $((round * 500))
-  $PY -m dflash magpie --out "$D/chat2-prompts.jsonl" --n 200 --followups-of "$D/gen-chat" \
-      --batch-size "$BATCH" --seed "$round"
+  magpie_upto "$D/chat2-prompts.jsonl" $((round * 200)) --followups-of "$D/gen-chat" --seed "$round"
   gen "$D/chat2-prompts.jsonl" "$D/gen-chat" chat 1000000
 done
