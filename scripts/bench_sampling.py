@@ -74,11 +74,12 @@ def speculative(model, draft, ids: list[int], max_tokens: int, temperature: floa
 
 def load(args):
     """(model, tokenizer, draft): the built-in pair unless --model/--draft are given."""
-    from dflash.cli import CLIError, load_pair
+    from dflash.errors import DFlashError
+    from dflash.pair import load_pair
 
     try:
-        pair = load_pair(args.model, args.draft, quiet=False)
-    except CLIError as e:
+        pair = load_pair(args.model, args.draft, log=lambda line: print(line, file=sys.stderr))
+    except DFlashError as e:
         sys.exit(f"bench_sampling: {e}")
     return pair.model, pair.tokenizer, pair.draft
 
