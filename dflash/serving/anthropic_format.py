@@ -9,7 +9,9 @@ answer, split by the same ``AnswerSplitter``, is written as Anthropic's content 
 
 Unknown top-level fields are rejected with a 400, as Anthropic's API does ("Extra inputs are not
 permitted"); ``metadata`` and ``service_tier`` are accepted and ignored (they change nothing about
-the answer), and so is ``cache_control`` on blocks (the server's prefix cache is automatic).
+the answer), and so is ``cache_control`` on blocks (the server's prefix cache is automatic). The
+server's own settings (``seed``, ``logit_bias``, ``policy``, ...) are accepted as on the OpenAI
+endpoints.
 Errors have Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -30,6 +32,10 @@ from .tools import AnswerSplitter, parse_tools
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
           "top_k", "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking"}
+# The server's own settings, accepted here as on the OpenAI endpoints (same names and rules).
+EXTENSIONS = {"min_p", "seed", "logit_bias", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "proposal", "block_size", "policy", "tree_budget",
+              "min_confidence"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -134,7 +140,7 @@ def _tools(tools, tool_choice):
 
 def parse_messages_request(body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one ``/v1/messages`` body."""
-    extra = sorted(set(body) - FIELDS)
+    extra = sorted(set(body) - FIELDS - EXTENSIONS)
     if extra:
         raise _bad(f"{extra[0]}: Extra inputs are not permitted")
     for name in ("model", "messages", "max_tokens"):
@@ -160,7 +166,8 @@ def parse_messages_request(body: dict, tokenizer, served: ServedModel) -> Comple
         raise _bad(f"temperature: {temperature!r} is outside [0, 1]")
     stops = body.get("stop_sequences")
     settings_body = {"max_tokens": body["max_tokens"], "stop": stops or None,
-                     **{k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}}
+                     **{k: body[k] for k in ("temperature", "top_p", "top_k", *EXTENSIONS)
+                        if k in body}}
     try:
         req.settings = generation_settings(settings_body, served, len(req.prompt_ids),
                                            "messages")

@@ -37,6 +37,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, str], int] = {}
         self.prompt_tokens = 0
+        self.reused_prompt_tokens = 0
         self.generation_tokens = 0
         self.cycles = 0
         self.generation_seconds = 0.0
@@ -93,9 +94,10 @@ class Metrics:
                 self.ttft.observe(ttft)
             if tpot is not None:
                 self.tpot.observe(tpot)
-            passes = r.cycles + getattr(r, "plain_steps", 0)
+            passes = r.cycles + r.plain_steps
             self.target_passes += passes
-            self.target_rows += getattr(r, "rows_per_pass", 0.0) * passes
+            self.target_rows += r.rows_per_pass * passes
+            self.reused_prompt_tokens += r.reused_prompt_tokens
             self.prompt_tokens += r.prompt_tokens
             self.generation_tokens += r.generation_tokens
             self.cycles += r.cycles
@@ -131,7 +133,10 @@ class Metrics:
             counters = [
                 ("dflash_cancelled", "Generations stopped because the client went away.",
                  self.cancelled),
-                ("dflash_prompt_tokens", "Prompt tokens prefilled.", self.prompt_tokens),
+                ("dflash_prompt_tokens", "Prompt tokens of the generations.", self.prompt_tokens),
+                ("dflash_reused_prompt_tokens",
+                 "Prompt tokens taken from the shared prefix cache instead of prefilled.",
+                 self.reused_prompt_tokens),
                 ("dflash_generation_tokens", "Tokens generated.", self.generation_tokens),
                 ("dflash_cycles", "Draft-and-verify cycles.", self.cycles),
                 ("dflash_generation_seconds", "Wall time spent decoding (after prefill).",

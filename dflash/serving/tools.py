@@ -259,6 +259,7 @@ class ToolCallSplitter:
     in_call: bool = False
     calls_made: int = 0
     after_call: bool = False  # the whitespace after a call is the template's, not content
+    space: str = ""  # the whitespace before the call being read
 
     def _partial(self, tag: str) -> int:
         for k in range(min(len(tag) - 1, len(self.buf)), 0, -1):
@@ -296,11 +297,18 @@ class ToolCallSplitter:
             if not self.in_call:
                 i = self.buf.find(self.fmt.start)
                 if i < 0:
-                    keep = 0 if final else self._partial(self.fmt.start)
-                    content += self.buf[:len(self.buf) - keep]
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    # Hold a partial opening tag, and the whitespace before it (it goes if a
+                    # call follows), until the next text decides.
+                    cut = len(self.buf)
+                    if not final:
+                        cut -= self._partial(self.fmt.start)
+                        cut = len(self.buf[:cut].rstrip())
+                    content += self.buf[:cut]
+                    self.buf = self.buf[cut:]
                     break
-                content += self.buf[:i]
+                before = self.buf[:i]
+                content += before.rstrip()
+                self.space = before[len(before.rstrip()):]  # dropped if the call parses
                 self.buf = self.buf[i:]
                 self.in_call = True
             j = self.buf.find(self.fmt.end, len(self.fmt.start))
@@ -312,11 +320,10 @@ class ToolCallSplitter:
             self.in_call = False
             parsed = self._parse(body)
             if parsed is None:
-                content += raw
+                content += self.space + raw
             else:
                 calls += parsed
                 self.calls_made += len(parsed)
-                content = content.rstrip()
                 self.after_call = True
         if self.after_call and content:
             content = content.lstrip()
