@@ -86,6 +86,10 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(loaded_pair):
+    return make_reference(loaded_pair)
+
+
+def make_reference(loaded_pair):
     """Greedy (or seeded) output of the library itself for a chat or a raw prompt."""
     from dflash.model_mlx import generate
     from dflash.prompts import encode_prompt

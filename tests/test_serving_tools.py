@@ -295,6 +295,9 @@ def test_anthropic_bodies_translate_to_chat_requests(tool_tokenizer):
     kwargs = req.settings.engine_kwargs()
     assert (kwargs["max_tokens"], kwargs["stop"], kwargs["temperature"], kwargs["top_k"]) == (
         16, ["END"], 0.5, 5)
+    ignored = {"speed": "fast", "cache_control": {"type": "ephemeral"}, "service_tier": "auto"}
+    assert parse_messages_request({**body, **ignored}, tool_tokenizer,
+                                  served).prompt_ids == req.prompt_ids
     forced = parse_messages_request({**body, "tool_choice": {"type": "tool", "name":
                                                              "get_weather"}},
                                     tool_tokenizer, served)
@@ -312,7 +315,12 @@ def test_anthropic_bodies_translate_to_chat_requests(tool_tokenizer):
                         "tools.0.type"),
                        ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
                        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
-                        "messages.0.content.0")]:
+                        "messages.0.content.0"),
+                       ({"messages": [{"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "The"}]}, "prefill"),
+                       ({"output_config": {"format": {"type": "json_schema"}}},
+                        "output_config.format"),
+                       ({"thinking": {"type": "sometimes"}}, "thinking.type")]:
         with pytest.raises(APIError) as e:
             parse_messages_request({k: v for k, v in {**body, **bad}.items() if v is not None},
                                    tool_tokenizer, served)

@@ -8,10 +8,13 @@ answer, split by the same ``AnswerSplitter``, is written as Anthropic's content 
 ``content_block_stop``, then ``message_delta`` (stop reason, output tokens) and ``message_stop``.
 
 Unknown top-level fields are rejected with a 400, as Anthropic's API does ("Extra inputs are not
-permitted"); ``metadata`` and ``service_tier`` are accepted and ignored (they change nothing about
-the answer), and so is ``cache_control`` on blocks (the server's prefix cache is automatic). The
-server's own settings (``seed``, ``logit_bias``, ``policy``, ...) are accepted as on the OpenAI
-endpoints.
+permitted"). Fields about accounting, routing or Anthropic's cache (``metadata``,
+``service_tier``, ``cache_control``, ``inference_geo``, ``speed``, ...) are accepted and ignored:
+they change nothing about the answer, and the server's prefix cache is automatic. What would change
+the answer and cannot be honoured is a 400: structured outputs (``output_config.format``), a final
+assistant message (prefill), non-text blocks (images, documents), server tools. The sampling fields
+of earlier API versions (``temperature`` in [0, 1], ``top_p``, ``top_k``) and the server's own
+settings (``seed``, ``logit_bias``, ``policy``, ...) are accepted as on the OpenAI endpoints.
 Errors have Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -31,7 +34,10 @@ from .requests import (
 from .tools import AnswerSplitter, parse_tools
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
-          "top_k", "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking"}
+          "top_k", "stream", "tools", "tool_choice", "thinking", "output_config"}
+# Anthropic fields about accounting, routing or Anthropic's own cache: nothing to change here.
+IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed",
+           "user_profile_id", "workspace_id", "diagnostics"}
 # The server's own settings, accepted here as on the OpenAI endpoints (same names and rules).
 EXTENSIONS = {"min_p", "seed", "logit_bias", "repetition_penalty", "presence_penalty",
               "frequency_penalty", "proposal", "block_size", "policy", "tree_budget",
@@ -140,7 +146,7 @@ def _tools(tools, tool_choice):
 
 def parse_messages_request(body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one ``/v1/messages`` body."""
-    extra = sorted(set(body) - FIELDS - EXTENSIONS)
+    extra = sorted(set(body) - FIELDS - IGNORED - EXTENSIONS)
     if extra:
         raise _bad(f"{extra[0]}: Extra inputs are not permitted")
     for name in ("model", "messages", "max_tokens"):
@@ -150,15 +156,22 @@ def parse_messages_request(body: dict, tokenizer, served: ServedModel) -> Comple
     if not isinstance(body["messages"], list) or not body["messages"]:
         raise _bad("messages: a non-empty list of {role, content} objects is required")
     messages = [msg for i, m in enumerate(body["messages"]) for msg in _message(m, i)]
+    if messages[-1]["role"] == "assistant":
+        raise _bad("messages: a final assistant message (prefill) is not supported")
+    output = body.get("output_config") or {}
+    if not isinstance(output, dict) or output.get("format") is not None:
+        raise _bad("output_config.format: structured outputs are not supported")
     system = body.get("system")
     if system:
         messages.insert(0, {"role": "system", "content": _text(system, "system")})
     kwargs = {}
     thinking = body.get("thinking")
     if thinking is not None:
-        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
-            raise _bad("thinking.type: \"enabled\" or \"disabled\"")
-        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise _bad("thinking.type: \"enabled\", \"disabled\" or \"adaptive\"")
+        if kind != "adaptive":  # adaptive: the template's own default
+            kwargs["enable_thinking"] = kind == "enabled"
     spec = _tools(body.get("tools"), body.get("tool_choice"))
     req = chat_request(messages, spec, kwargs, tokenizer, served, endpoint="messages")
     temperature = body.get("temperature")
