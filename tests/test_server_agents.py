@@ -282,6 +282,16 @@ def test_anthropic_errors_have_anthropics_shape(server, claude):
     assert claude.messages.create(**ok).content[0].type == "text"  # and it keeps serving
 
 
+def test_anthropic_count_tokens(claude, reference):
+    messages = [{"role": "system", "content": "Be brief."}, *chat("How long is this?")]
+    _, _, n_prompt = reference(messages, max_tokens=1)
+    count = claude.messages.count_tokens(model=MODEL_NAME, system="Be brief.",
+                                         messages=messages[1:])
+    assert count.input_tokens == n_prompt
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.count_tokens(model=MODEL_NAME, messages=[])
+
+
 def _metric(base: str, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", httpx.get(base + "/metrics").text, re.M)
     return float(m.group(1))

@@ -1,7 +1,7 @@
 """The FastAPI app over the worker, SSE streaming, and the entry points ``create_server``/``run``.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, Anthropic's
-``POST /v1/messages`` (each streamed over SSE or not),
+``POST /v1/messages`` (each streamed over SSE or not) and ``/v1/messages/count_tokens``,
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). Bad requests get
 an OpenAI-style ``{"error": {...}}`` body with a 4xx status; this is the one place that turns the
 lower layers' exceptions (``QueueFull``, ``GenerationCancelled``, the engine's
@@ -309,6 +309,18 @@ def build_app(server: Server):
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await answer(request, "messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """Anthropic's token count: the prompt a ``/v1/messages`` body would have."""
+        try:
+            body = read_json(await request.body())
+            body.pop("stream", None)
+            req = parse_messages_request({**body, "max_tokens": 1}, server.tokenizer,
+                                         server.served)
+        except APIError as e:
+            return error("messages", e)
+        return {"input_tokens": len(req.prompt_ids)}
 
     return app
 
