@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parents[1]
-KIND = "llama"
+KIND = "llama"  # = conftest.SERVER_KIND, the pair the `reference` fixture runs
 MODEL_NAME = "tiny-target"
 
 
@@ -76,35 +76,6 @@ def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair(KIND)
     with launch_server(target, draft, tmp_path_factory.mktemp("server") / "server.log") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference(loaded_pair):
-    return make_reference(loaded_pair)
-
-
-def make_reference(loaded_pair):
-    """Greedy (or seeded) output of the library itself for a chat or a raw prompt."""
-    from dflash.model_mlx import generate
-    from dflash.prompts import encode_prompt
-
-    model, tokenizer, draft = loaded_pair(KIND)
-    lock = threading.Lock()
-
-    def ref(messages=None, prompt=None, max_tokens=24, **kwargs):
-        ids = encode_prompt(tokenizer, {"messages": messages}) if messages is not None else prompt
-        with lock:
-            r = generate(model, draft, tokenizer, ids, max_tokens=max_tokens, **kwargs)
-        n_prompt = len(ids) if messages is not None else r.stats.prompt_tokens
-        return r.text, r.tokens, n_prompt
-
-    return ref
 
 
 def chat(text):

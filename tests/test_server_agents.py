@@ -23,7 +23,6 @@ from test_server import (
     _parse_prometheus,
     chat,
     launch_server,
-    make_reference,
 )
 
 pytestmark = pytest.mark.slow  # every test here runs the models
@@ -48,17 +47,6 @@ def server(tiny_pair, tmp_path_factory):
     with launch_server(target, draft, tmp_path_factory.mktemp("agents") / "server.log",
                        "--max-queue", str(QUEUE), "--max-concurrency", str(CONCURRENCY)) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def reference(loaded_pair):
-    return make_reference(loaded_pair)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
 
 
 @pytest.fixture(scope="module")
