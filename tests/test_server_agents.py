@@ -267,6 +267,17 @@ def test_anthropic_errors_have_anthropics_shape(server, claude):
         err = resp.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert words in err["error"]["message"]
+    from dflash.serving.app import MAX_BODY_BYTES
+
+    huge = json.dumps({**ok, "system": "x" * MAX_BODY_BYTES}).encode()
+    for endpoint, shape in [(url, "anthropic"), (server["base"] + "/v1/chat/completions",
+                                                 "openai")]:
+        resp = httpx.post(endpoint, content=huge, timeout=60,
+                          headers={"content-type": "application/json"})
+        assert resp.status_code == 413
+        err = resp.json()["error"]
+        assert err["type"] == "request_too_large" and str(MAX_BODY_BYTES) in err["message"]
+        assert ("param" in err) == (shape == "openai")
     assert claude.messages.create(**ok).content[0].type == "text"  # and it keeps serving
 
 

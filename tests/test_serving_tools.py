@@ -137,6 +137,17 @@ def test_splitter_reads_mlx_lm_parsers_such_as_qwen3_coder():
         ("get_weather", {"city": "Paris"})]
 
 
+def test_splitter_reads_calls_without_a_closing_tag_such_as_mistrals():
+    mistral = pytest.importorskip("mlx_lm.tool_parsers.mistral")
+    fmt = ToolFormat(mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call,
+                     native=True, json_form=False)
+    text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    content, calls = _feed(ToolCallSplitter(fmt, [WEATHER]), text, 3)
+    assert content == "Sure."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+
+
 def test_answer_splitter_reasoning_then_calls_and_the_finish_reason():
     text = ('<think>I should call it.</think>\n\n<tool_call>\n{"name": "get_weather", '
             '"arguments": {"city": "Rome"}}\n</tool_call>')

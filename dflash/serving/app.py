@@ -46,6 +46,9 @@ from .requests import CompletionRequest, ServedModel, config_error, parse_reques
 from .tools import AnswerSplitter, ToolCallSplitter, tool_format
 from .worker import Job, Worker, default_max_concurrency
 
+# Larger bodies get a 413 (no prompt that fits a context comes near it).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
 
 class Server:
     """Request handling around a started :class:`Worker`; ``app`` is the FastAPI application."""
@@ -237,7 +240,7 @@ def build_app(server: Server):
     async def answer(request: Request, endpoint: str):
         """``POST /v1/chat/completions`` ("chat"), ``/v1/completions`` or ``/v1/messages``."""
         try:
-            body = read_json(await request.body())
+            body = read_json(await _read_body(request))
             if endpoint == "messages":
                 req = parse_messages_request(body, server.tokenizer, server.served)
             else:
@@ -314,7 +317,7 @@ def build_app(server: Server):
     async def count_tokens(request: Request):
         """Anthropic's token count: the prompt a ``/v1/messages`` body would have."""
         try:
-            body = read_json(await request.body())
+            body = read_json(await _read_body(request))
             body.pop("stream", None)
             req = parse_messages_request({**body, "max_tokens": 1}, server.tokenizer,
                                          server.served)
@@ -323,6 +326,23 @@ def build_app(server: Server):
         return {"input_tokens": len(req.prompt_ids)}
 
     return app
+
+
+async def _read_body(request) -> bytes:
+    """The request body, or a 413 when it is larger than ``MAX_BODY_BYTES`` (checked as it comes,
+    so a huge body is not held in memory)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                       type_="request_too_large", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                           type_="request_too_large", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

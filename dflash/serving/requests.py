@@ -1,4 +1,5 @@
-"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, parsed into dataclasses.
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, parsed into dataclasses
+(``chat_request`` and ``generation_settings`` also serve the Anthropic endpoint).
 
 This layer checks what is HTTP's or OpenAI's own: the JSON shape of each field, the model name,
 the prompt against the context length, and the API's documented limits (``temperature <= 2``,

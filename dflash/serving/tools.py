@@ -311,7 +311,8 @@ class ToolCallSplitter:
                 self.space = before[len(before.rstrip()):]  # dropped if the call parses
                 self.buf = self.buf[i:]
                 self.in_call = True
-            j = self.buf.find(self.fmt.end, len(self.fmt.start))
+            # No closing tag (Mistral's form): the call runs to the end of the answer.
+            j = self.buf.find(self.fmt.end, len(self.fmt.start)) if self.fmt.end else -1
             if j < 0 and not final:
                 break
             body = self.buf[len(self.fmt.start):j if j >= 0 else len(self.buf)]
