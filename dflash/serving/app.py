@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, Anthropic's
 ``POST /v1/messages`` (each streamed over SSE or not) and ``/v1/messages/count_tokens``,
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). Bad requests get
-an OpenAI-style ``{"error": {...}}`` body with a 4xx status; this is the one place that turns the
+an OpenAI-style ``{"error": {...}}`` body (Anthropic's shape on ``/v1/messages``) with a 4xx
+status; this is the one place that turns the
 lower layers' exceptions (``QueueFull``, ``GenerationCancelled``, the engine's
 ``GenerationConfigError``) into HTTP statuses. A streaming client that disconnects cancels its
 generation at the next cycle and frees the worker.
@@ -331,16 +332,16 @@ def build_app(server: Server):
 async def _read_body(request) -> bytes:
     """The request body, or a 413 when it is larger than ``MAX_BODY_BYTES`` (checked as it comes,
     so a huge body is not held in memory)."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                         type_="request_too_large", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                       type_="request_too_large", code="request_too_large")
+        raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                           type_="request_too_large", code="request_too_large")
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 
