@@ -104,7 +104,8 @@ class Job:
 class Worker:
     """Loads the pair in its own thread and runs queued generations there, one at a time.
 
-    ``metrics`` receives ``generation(last_response)`` and ``cancelled_generation()``.
+    ``metrics`` receives ``generation(last_response, ttft=..., tpot=...)`` and
+    ``cancelled_generation()``.
     """
 
     def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64,
