@@ -383,3 +383,42 @@ def test_default_max_concurrency_follows_the_memory_rule(loaded_pair, monkeypatc
         memory = weights + int(free_sequences * per_token * 1000 / worker.KV_MEMORY_SHARE)
         monkeypatch.setattr(worker, "_memory_bytes", lambda memory=memory: memory)
         assert worker.default_max_concurrency(pair, 1000) == expected
+
+
+def test_anthropic_answers_end_with_tool_use_and_stream_their_blocks():
+    from dflash.serving.anthropic_format import MessageStream, message_response
+
+    last = SimpleNamespace(generation_tokens=30, finish_reason="stop", reused_prompt_tokens=4,
+                           mean_tau=3.0, cycles=10, rows_per_pass=4.0, text="", tokens=[])
+    text = ('<think>Weather needed.</think>Checking.\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Rome"}}\n</tool_call>')
+
+    def splitter():
+        return AnswerSplitter(ThinkSplitter(), ToolCallSplitter(HERMES))
+
+    body = message_response("m", 12, text, last, {}, splitter(), stop_sequence=None)
+    assert [b["type"] for b in body["content"]] == ["thinking", "text", "tool_use"]
+    assert body["content"][1]["text"] == "Checking."
+    use = body["content"][2]
+    assert (use["name"], use["input"]) == ("get_weather", {"city": "Rome"})
+    assert use["id"].startswith("toolu_") and body["stop_reason"] == "tool_use"
+    assert body["usage"]["input_tokens"] == 8 and body["usage"]["cache_read_input_tokens"] == 4
+    stream = MessageStream("m", splitter(), tokenizer=None, stops=None)
+    lines = [stream.opening(12, last)]
+    for i in range(0, len(text), 9):  # streamed in pieces
+        piece = SimpleNamespace(text=text[i:i + 9], tokens=[],
+                                finish_reason="stop" if i + 9 >= len(text) else None)
+        lines += stream.add(piece)
+    lines += stream.closing(12, last, {})
+    events = [(line.split("\n")[0][len("event: "):], json.loads(line.split("\n")[1][6:]))
+              for line in lines]
+    assert all(kind == data["type"] for kind, data in events)
+    starts = [d["content_block"]["type"] for k, d in events if k == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 3
+    partial = [d["delta"]["partial_json"] for k, d in events
+               if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert [json.loads(p) for p in partial] == [{"city": "Rome"}]
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
