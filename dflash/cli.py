@@ -111,6 +111,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the model before new ones get 429 "
                         "(default 64)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="sequences that may decode together (default: as many full-context "
+                        "caches as fit in half the memory the weights leave, 1 to 16)")
     g.add_argument("--reasoning", choices=("auto", "on", "off"), default="auto",
                    help="split <think>…</think> into reasoning_content: auto (when the "
                         "tokenizer knows thinking tags), on, off (default auto)")
@@ -379,13 +382,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-context {args.max_context}: must be >= 2", code=2)
     if args.block_size is not None and args.block_size < 2:
         raise CLIError(f"--block-size {args.block_size}: must be >= 2", code=2)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise CLIError(f"--max-concurrency {args.max_concurrency}: must be >= 1", code=2)
     from .serving import create_server, run  # MLX and the server load only for `serve`
 
     server = create_server(args.model, args.draft, served_model_name=args.served_model_name,
                            max_context=args.max_context,
                            default_max_tokens=args.default_max_tokens,
                            block_size=args.block_size, max_queue=args.max_queue,
-                           reasoning=args.reasoning)
+                           max_concurrency=args.max_concurrency, reasoning=args.reasoning)
     run(server, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

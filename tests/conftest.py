@@ -55,3 +55,39 @@ def loaded_pair(tiny_pair):
         return loaded[kind]
 
     return get
+
+
+# ---------------------------------------------------------------------------------------------
+# The server tests (test_server*.py): each module starts its own `server` (a dict with `base`);
+# these fixtures serve any of them.
+
+SERVER_KIND = "llama"  # the tiny pair the server tests serve
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's running ``server``."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded_pair):
+    """Greedy (or seeded) output of the library itself for a chat or a raw prompt."""
+    import threading
+
+    from dflash.model_mlx import generate
+    from dflash.prompts import encode_prompt
+
+    model, tokenizer, draft = loaded_pair(SERVER_KIND)
+    lock = threading.Lock()
+
+    def ref(messages=None, prompt=None, max_tokens=24, **kwargs):
+        ids = encode_prompt(tokenizer, {"messages": messages}) if messages is not None else prompt
+        with lock:
+            r = generate(model, draft, tokenizer, ids, max_tokens=max_tokens, **kwargs)
+        n_prompt = len(ids) if messages is not None else r.stats.prompt_tokens
+        return r.text, r.tokens, n_prompt
+
+    return ref

@@ -6,6 +6,7 @@ cases; greedy outputs must equal the library's own greedy output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parents[1]
-KIND = "llama"
+KIND = "llama"  # = conftest.SERVER_KIND, the pair the `reference` fixture runs
 MODEL_NAME = "tiny-target"
 
 
@@ -36,17 +37,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair(KIND)
+@contextlib.contextmanager
+def launch_server(target, draft, log: Path, *extra: str):
+    """``dflash serve`` on a free port (``extra``: more options); yields its base URL and process."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
     with log.open("w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dflash", "serve", "--model", str(target), "--draft",
              str(draft), "--port", str(port), "--served-model-name", MODEL_NAME,
-             "--log-level", "warning"],
+             "--log-level", "warning", *extra],
             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -72,28 +72,10 @@ def server(tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference(loaded_pair):
-    """Greedy (or seeded) output of the library itself for a chat or a raw prompt."""
-    from dflash.model_mlx import generate
-    from dflash.prompts import encode_prompt
-
-    model, tokenizer, draft = loaded_pair(KIND)
-    lock = threading.Lock()
-
-    def ref(messages=None, prompt=None, max_tokens=24, **kwargs):
-        ids = encode_prompt(tokenizer, {"messages": messages}) if messages is not None else prompt
-        with lock:
-            r = generate(model, draft, tokenizer, ids, max_tokens=max_tokens, **kwargs)
-        n_prompt = len(ids) if messages is not None else r.stats.prompt_tokens
-        return r.text, r.tokens, n_prompt
-
-    return ref
+def server(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair(KIND)
+    with launch_server(target, draft, tmp_path_factory.mktemp("server") / "server.log") as s:
+        yield s
 
 
 def chat(text):
@@ -375,7 +357,9 @@ def _parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
             continue
         m = sample_re.match(line)
         assert m, f"not a Prometheus sample line: {line!r}"
-        assert m.group(1) in types, f"sample {m.group(1)} without a TYPE line"
+        base = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
+        assert m.group(1) in types or types.get(base) == "histogram", \
+            f"sample {m.group(1)} without a TYPE line"
         labels = dict(label_re.findall(m.group(2) or ""))
         samples.setdefault(m.group(1), []).append((labels, float(m.group(3))))
     return samples

@@ -66,7 +66,8 @@ def test_metrics_registries_are_per_server():
     a.request("chat", "ok")
     a.generation(SimpleNamespace(prompt_tokens=5, generation_tokens=9, cycles=3, mean_tau=3.0,
                                  generation_tps=30.0, prompt_tps=50.0, draft_time=0.1,
-                                 verify_time=0.2, acceptance_by_position=[1.0, 0.5]))
+                                 verify_time=0.2, acceptance_by_position=[1.0, 0.5],
+                                 plain_steps=1, rows_per_pass=5.0, reused_prompt_tokens=2))
     text_a, text_b = a.render().decode(), b.render().decode()
     assert re.search(r'^dflash_requests_total\{endpoint="chat",status="ok"\} 1\.0$', text_a, re.M)
     assert re.search(r"^dflash_generation_tokens_total 9\.0$", text_a, re.M)

@@ -1,8 +1,10 @@
 """The FastAPI app over the worker, SSE streaming, and the entry points ``create_server``/``run``.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed over SSE or not),
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, Anthropic's
+``POST /v1/messages`` (each streamed over SSE or not) and ``/v1/messages/count_tokens``,
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). Bad requests get
-an OpenAI-style ``{"error": {...}}`` body with a 4xx status; this is the one place that turns the
+an OpenAI-style ``{"error": {...}}`` body (Anthropic's shape on ``/v1/messages``) with a 4xx
+status; this is the one place that turns the
 lower layers' exceptions (``QueueFull``, ``GenerationCancelled``, the engine's
 ``GenerationConfigError``) into HTTP statuses. A streaming client that disconnects cancels its
 generation at the next cycle and frees the worker.
@@ -32,10 +34,21 @@ from ..pair import load_pair
 from ..speculative import DFlashResponse
 from ..stats import generation_stats
 from ..target import target_parts
-from .openai_format import StreamFormat, full_response, model_card, sse
+from .anthropic_format import (
+    MessageStream,
+    error_body,
+    matched_stop,
+    message_response,
+    parse_messages_request,
+)
+from .openai_format import StreamFormat, full_response, model_card
 from .reasoning import ThinkSplitter, think_tags
 from .requests import CompletionRequest, ServedModel, config_error, parse_request, read_json
-from .worker import Job, Worker
+from .tools import AnswerSplitter, ToolCallSplitter, tool_format
+from .worker import Job, Worker, default_max_concurrency
+
+# Larger bodies get a 413 (no prompt that fits a context comes near it).
+MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 class Server:
@@ -53,10 +66,13 @@ class Server:
             vocab_size=target_parts(self.pair.model).vocab_size,
             max_context=max_context or self.pair.max_context,
             default_max_tokens=default_max_tokens, block_size=block_size,
-            think_tags=think_tags(self.tokenizer, reasoning))
+            think_tags=think_tags(self.tokenizer, reasoning),
+            tool_format=tool_format(self.tokenizer))
         self.metrics = worker.metrics
         self.metrics.watch({"model": model_name, "draft": self.pair.draft_path},
-                           queue_depth=lambda: worker.queue_depth, busy=lambda: worker.busy)
+                           queue_depth=lambda: worker.queue_depth, busy=lambda: worker.busy,
+                           batch_size=lambda: worker.batch_size,
+                           max_concurrency=worker.max_concurrency)
         self.app = build_app(self)
 
     @property
@@ -73,7 +89,9 @@ class Server:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_name, "draft": self.pair.draft_path,
-                "queue_depth": self.worker.queue_depth, "busy": self.worker.busy}
+                "queue_depth": self.worker.queue_depth, "busy": self.worker.busy,
+                "max_concurrency": self.worker.max_concurrency,
+                "max_queue": self.worker.max_queue}
 
     def model_card(self) -> dict:
         return model_card(self.model_name, self.created, self.pair.model_path, {
@@ -106,9 +124,38 @@ class Server:
         finally:
             await stream.aclose()
 
+    def splitter(self, req: CompletionRequest) -> AnswerSplitter:
+        """What reads a chat answer: the reasoning split, and the tool calls if it may make any."""
+        think = (ThinkSplitter(*self.think_tags, in_reasoning=req.opens_reasoning)
+                 if self.think_tags else None)
+        if not req.parses_tools:
+            return AnswerSplitter(think)
+        return AnswerSplitter(think, ToolCallSplitter(req.tool_format, req.tools.tools),
+                              req.answer_prefix)
+
+    def stream_format(self, req: CompletionRequest):
+        """The SSE writer of ``req``'s endpoint."""
+        if req.endpoint == "messages":
+            return MessageStream(self.model_name, self.splitter(req), self.tokenizer,
+                                 req.settings.stop)
+        return StreamFormat(req.endpoint, self.model_name,
+                            self.splitter(req) if req.endpoint == "chat" else None,
+                            include_usage=req.include_usage)
+
+    def response(self, req: CompletionRequest, text: str, tokens: list[int], last,
+                 job: Job) -> dict:
+        """The body of a non-streamed answer of ``req``'s endpoint."""
+        n_prompt, stats = len(req.prompt_ids), self.stats(last, job)
+        if req.endpoint == "messages":
+            stop = matched_stop(self.tokenizer, tokens, req.settings.stop)
+            return message_response(self.model_name, n_prompt, text, last, stats,
+                                    self.splitter(req), stop)
+        return full_response(req.endpoint, self.model_name, n_prompt, text, last, stats,
+                             self.splitter(req) if req.endpoint == "chat" else None)
+
     async def collect(self, request, req: CompletionRequest):
         """Run to the end; a client that leaves (even while queued) cancels the job."""
-        text, last, job = [], None, None
+        text, tokens, last, job = [], [], None, None
         gen = self.generate(req)
         watcher = asyncio.ensure_future(_watch_disconnect(request))
         try:
@@ -125,31 +172,29 @@ class Server:
                 except StopAsyncIteration:
                     break
                 text.append(r.text)
+                tokens += r.tokens
                 last = r
         finally:
             watcher.cancel()
             await gen.aclose()
-        return "".join(text), last, job
+        return "".join(text), tokens, last, job
 
     async def events(self, req: CompletionRequest) -> AsyncIterator[str]:
         """Server-sent events of one generation; the first item is yielded before any output."""
-        splitter = (ThinkSplitter(*self.think_tags, in_reasoning=req.opens_reasoning)
-                    if req.endpoint == "chat" and self.think_tags else None)
-        fmt = StreamFormat(req.endpoint, self.model_name, splitter)
+        fmt = self.stream_format(req)
         gen = self.generate(req)
         status, started = "ok", False
         try:
             job, r = await gen.__anext__()  # errors before any output propagate to the handler
             started = True
-            yield fmt.opening()  # "" for completions: the generation has started
+            yield fmt.opening(len(req.prompt_ids), r)  # "" for completions: it has started
             while True:
-                for line in fmt.delta(r.text, r.finish_reason is not None):
+                for line in fmt.add(r):
                     yield line
                 if r.finish_reason is not None:
                     break
                 job, r = await gen.__anext__()
-            for line in fmt.closing(len(req.prompt_ids), r, self.stats(r, job),
-                                    req.include_usage):
+            for line in fmt.closing(len(req.prompt_ids), r, self.stats(r, job)):
                 yield line
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
@@ -158,8 +203,8 @@ class Server:
             status = "cancelled" if e.code == "cancelled" else str(e.status)
             if not started:
                 raise
-            # Headers are gone: report in-band, as OpenAI does, and end the stream.
-            yield sse(e.body())
+            # Headers are gone: report in-band, as OpenAI and Anthropic do, and end the stream.
+            yield fmt.error(e)
         finally:
             await gen.aclose()
             if started:
@@ -189,11 +234,18 @@ def build_app(server: Server):
                 if self.on_close is not None:
                     await self.on_close()
 
+    def error(endpoint: str, e: APIError) -> JSONResponse:
+        body = error_body(e) if endpoint == "messages" else e.body()
+        return JSONResponse(body, status_code=e.status)
+
     async def answer(request: Request, endpoint: str):
-        """``POST /v1/chat/completions`` (``endpoint="chat"``) or ``/v1/completions``."""
+        """``POST /v1/chat/completions`` ("chat"), ``/v1/completions`` or ``/v1/messages``."""
         try:
-            req = parse_request(endpoint, read_json(await request.body()), server.tokenizer,
-                                server.served)
+            body = read_json(await _read_body(request))
+            if endpoint == "messages":
+                req = parse_messages_request(body, server.tokenizer, server.served)
+            else:
+                req = parse_request(endpoint, body, server.tokenizer, server.served)
             if req.stream:
                 events = server.events(req)
                 # Wait for the first event (the generation has started) before answering, so
@@ -201,23 +253,20 @@ def build_app(server: Server):
                 first = await _first_or_disconnect(request, events)
                 if first is None:
                     server.metrics.request(endpoint, "cancelled")
-                    return JSONResponse(APIError(499, "client closed the request").body(),
-                                        status_code=499)
+                    return error(endpoint, APIError(499, "client closed the request"))
                 response = CancellingStream(_prepend(first, events),
                                             media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache",
                                                      "X-Accel-Buffering": "no"})
                 response.on_close = events.aclose
                 return response
-            text, last, job = await server.collect(request, req)
-            result = full_response(endpoint, server.model_name, len(req.prompt_ids), text, last,
-                                   server.stats(last, job), server.think_tags,
-                                   req.opens_reasoning)
+            text, tokens, last, job = await server.collect(request, req)
+            result = server.response(req, text, tokens, last, job)
             server.metrics.request(endpoint, "ok")
             return JSONResponse(result)
         except APIError as e:
             server.metrics.request(endpoint, str(e.status))
-            return JSONResponse(e.body(), status_code=e.status)
+            return error(endpoint, e)
 
 
     @app.exception_handler(APIError)
@@ -261,7 +310,40 @@ def build_app(server: Server):
     async def completions(request: Request):
         return await answer(request, "completions")
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await answer(request, "messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """Anthropic's token count: the prompt a ``/v1/messages`` body would have."""
+        try:
+            body = read_json(await _read_body(request))
+            body.pop("stream", None)
+            req = parse_messages_request({**body, "max_tokens": 1}, server.tokenizer,
+                                         server.served)
+        except APIError as e:
+            return error("messages", e)
+        return {"input_tokens": len(req.prompt_ids)}
+
     return app
+
+
+async def _read_body(request) -> bytes:
+    """The request body, or a 413 when it is larger than ``MAX_BODY_BYTES`` (checked as it comes,
+    so a huge body is not held in memory)."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                         type_="request_too_large", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -300,8 +382,12 @@ async def _watch_disconnect(request) -> None:
 def create_server(model: str | None = None, draft: str | None = None, *,
                   served_model_name: str | None = None, max_context: int | None = None,
                   default_max_tokens: int = 512, block_size: int | None = None,
-                  max_queue: int = 64, reasoning: str = "auto", quiet: bool = False) -> Server:
-    """Load the pair in the worker's thread and build the app (``server.app``)."""
+                  max_queue: int = 64, max_concurrency: int | None = None,
+                  reasoning: str = "auto", quiet: bool = False) -> Server:
+    """Load the pair in the worker's thread and build the app (``server.app``).
+
+    ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``).
+    """
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -313,6 +399,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
 
     worker = Worker(lambda: load_pair(model, draft, log=None if quiet else log), Metrics(),
                     max_queue=max_queue).start()
+    worker.max_concurrency = max_concurrency or default_max_concurrency(
+        worker.pair, max_context or worker.pair.max_context)
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
                   reasoning=reasoning)
@@ -324,7 +412,8 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
     import uvicorn
 
     log(f"serving `{server.model_name}` at http://{host}:{port}/v1 "
-        f"(max context {server.max_context}, reasoning split "
+        f"(max context {server.max_context}, max concurrency {server.worker.max_concurrency}, "
+        f"queue {server.worker.max_queue}, reasoning split "
         f"{'on' if server.think_tags else 'off'}); Ctrl-C stops")
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5,

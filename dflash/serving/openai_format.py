@@ -1,8 +1,10 @@
 """OpenAI's response shapes: whole responses, streamed chunks (SSE lines), usage, model cards.
 
 Pure formatting: given the text and the last ``DFlashResponse`` of a generation, build the JSON a
-client of the OpenAI API expects. Every response and final chunk also carries the generation's
-statistics in the ``dflash`` extension field.
+client of the OpenAI API expects; an ``AnswerSplitter`` splits a chat answer into reasoning,
+content and tool calls. Every response and final chunk also carries the generation's statistics in
+the ``dflash`` extension field; ``usage`` keeps OpenAI's fields (the reused prompt prefix as
+``prompt_tokens_details.cached_tokens``) plus a compact ``usage.dflash`` (τ, cycles).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 import uuid
 
 from .. import __version__
-from .reasoning import ThinkSplitter
+from .tools import AnswerSplitter
 
 SYSTEM_FINGERPRINT = f"dflash-{__version__}"
 
@@ -23,9 +25,26 @@ def sse(data: dict | str) -> str:
     return f"data: {text}\n\n"
 
 
-def usage(n_prompt: int, generated: int) -> dict:
+def usage(n_prompt: int, last) -> dict:
+    """OpenAI's token counts of a generation, and its acceptance (``dflash``: τ = mean tokens per
+    draft-and-verify cycle, i.e. accepted + 1)."""
+    generated = last.generation_tokens
     return {"prompt_tokens": n_prompt, "completion_tokens": generated,
-            "total_tokens": n_prompt + generated}
+            "total_tokens": n_prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": last.reused_prompt_tokens},
+            "dflash": {"tau": round(last.mean_tau, 4), "cycles": last.cycles,
+                       "rows_per_pass": round(last.rows_per_pass, 3),
+                       "reused_prompt_tokens": last.reused_prompt_tokens}}
+
+
+def tool_call_deltas(calls: list[dict], first_index: int) -> list[dict]:
+    """Streamed ``delta.tool_calls`` entries: each call's id and name, then its arguments."""
+    out = []
+    for k, c in enumerate(calls, first_index):
+        out.append({"index": k, "id": c["id"], "type": "function",
+                    "function": {"name": c["name"], "arguments": ""}})
+        out.append({"index": k, "function": {"arguments": c["arguments"]}})
+    return out
 
 
 def model_card(model_id: str, created: int, root: str, extra: dict) -> dict:
@@ -35,35 +54,41 @@ def model_card(model_id: str, created: int, root: str, extra: dict) -> dict:
 
 
 def full_response(endpoint: str, model: str, n_prompt: int, text: str, last, stats: dict,
-                  think_tags: tuple[str, str] | None, opens_reasoning: bool) -> dict:
-    """The body of a non-streamed chat completion or text completion."""
+                  splitter: AnswerSplitter | None = None) -> dict:
+    """The body of a non-streamed chat completion (``splitter`` reads the answer) or completion."""
     created = int(time.time())
-    tail = {"usage": usage(n_prompt, last.generation_tokens),
-            "system_fingerprint": SYSTEM_FINGERPRINT, "dflash": stats}
+    tail = {"usage": usage(n_prompt, last), "system_fingerprint": SYSTEM_FINGERPRINT,
+            "dflash": stats}
     if endpoint == "completions":
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": created, "model": model,
                 "choices": [{"index": 0, "text": text, "logprobs": None,
                              "finish_reason": last.finish_reason}], **tail}
-    message = {"role": "assistant", "content": text}
-    if think_tags is not None:
-        splitter = ThinkSplitter(*think_tags, in_reasoning=opens_reasoning)
-        reasoning, content = splitter.feed(text, final=True)
-        message = {"role": "assistant", "content": content,
-                   "reasoning_content": reasoning or None}
+    splitter = splitter or AnswerSplitter()
+    reasoning, content, calls = splitter.feed(text, final=True)
+    message = {"role": "assistant", "content": content or (None if calls else "")}
+    if splitter.think is not None:
+        message["reasoning_content"] = reasoning or None
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in calls]
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": last.finish_reason}], **tail}
+                         "finish_reason": splitter.finish_reason(last.finish_reason)}], **tail}
 
 
 class StreamFormat:
     """The SSE lines of one streamed response: one id and creation time for all its chunks."""
 
-    def __init__(self, endpoint: str, model: str, splitter: ThinkSplitter | None = None):
+    def __init__(self, endpoint: str, model: str, splitter: AnswerSplitter | None = None,
+                 include_usage: bool = False):
         self.chat = endpoint == "chat"
+        self.include_usage = include_usage
         self.model = model
-        self.splitter = splitter
+        self.splitter = splitter or AnswerSplitter()
+        self.calls = 0
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -73,37 +98,52 @@ class StreamFormat:
                     "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
                     "choices": [choice], **extra})
 
-    def opening(self) -> str:
+    def opening(self, n_prompt: int = 0, first=None) -> str:
         """The first event, sent once the generation has started (``""``: none for completions)."""
         if not self.chat:
             return ""
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
+    def add(self, r) -> list[str]:
+        """The events for one step (``DFlashResponse``) of the generation."""
+        return self.delta(r.text, r.finish_reason is not None)
+
     def delta(self, text: str, final: bool) -> list[str]:
         """The events for newly generated ``text`` (none while a split tag is undecided)."""
         if not self.chat:
             return [self._chunk({"index": 0, "text": text, "logprobs": None,
                                  "finish_reason": None})] if text else []
-        reasoning, content = self.splitter.feed(text, final) if self.splitter else ("", text)
+        reasoning, content, calls = self.splitter.feed(text, final)
         d = {}
         if reasoning:
             d["reasoning_content"] = reasoning
         if content:
             d["content"] = content
-        return [self._chunk({"index": 0, "delta": d, "logprobs": None,
-                             "finish_reason": None})] if d else []
+        events = [self._chunk({"index": 0, "delta": d, "logprobs": None,
+                               "finish_reason": None})] if d else []
+        for entry in tool_call_deltas(calls, self.calls):
+            events.append(self._chunk({"index": 0, "delta": {"tool_calls": [entry]},
+                                       "logprobs": None, "finish_reason": None}))
+        self.calls += len(calls)
+        return events
 
-    def closing(self, n_prompt: int, last, stats: dict, include_usage: bool) -> list[str]:
+    def error(self, e) -> str:
+        """An error after the headers went out: in-band, as OpenAI does."""
+        return sse(e.body())
+
+    def closing(self, n_prompt: int, last, stats: dict) -> list[str]:
         """The final chunk (finish reason, statistics), the usage chunk if asked, ``[DONE]``."""
-        final = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+        final = {"index": 0, "logprobs": None,
+                 "finish_reason": self.splitter.finish_reason(last.finish_reason)}
         if self.chat:
             final["delta"] = {}
         else:
             final["text"] = ""
-        counts = usage(n_prompt, last.generation_tokens)
-        events = [self._chunk(final, dflash=stats, **({} if include_usage else {"usage": counts}))]
-        if include_usage:
+        counts = usage(n_prompt, last)
+        events = [self._chunk(final, dflash=stats,
+                              **({} if self.include_usage else {"usage": counts}))]
+        if self.include_usage:
             events.append(sse({"id": self.id, "object": self.object, "created": self.created,
                                "model": self.model, "choices": [], "usage": counts,
                                "dflash": stats}))

@@ -1,4 +1,5 @@
-"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, parsed into dataclasses.
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, parsed into dataclasses
+(``chat_request`` and ``generation_settings`` also serve the Anthropic endpoint).
 
 This layer checks what is HTTP's or OpenAI's own: the JSON shape of each field, the model name,
 the prompt against the context length, and the API's documented limits (``temperature <= 2``,
@@ -18,8 +19,9 @@ from ..prompts import encode_prompt, encode_text
 from ..sampling import SamplingConfig, check_decode_settings
 from ..verify_policy import check_policy
 from .reasoning import prompt_opens_reasoning
+from .tools import ToolFormat, ToolSpec, history_calls, parse_tools, render_messages, tool_format
 
-ENDPOINTS = ("chat", "completions")
+ENDPOINTS = ("chat", "completions", "messages")  # messages: Anthropic's Messages API
 # What the OpenAI API accepts, where it is narrower than what the engine can do.
 API_LIMITS = {"temperature": (None, 2.0), "presence_penalty": (-2.0, 2.0),
               "frequency_penalty": (-2.0, 2.0)}
@@ -41,6 +43,7 @@ class ServedModel:
     default_max_tokens: int = 512
     block_size: int | None = None
     think_tags: tuple[str, str] | None = None
+    tool_format: ToolFormat | None = None  # how the model writes tool calls (None: read it)
 
     def accepts(self, name: str) -> bool:
         return name in (self.name, self.path, "dflash", "default")
@@ -81,6 +84,13 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
     opens_reasoning: bool = False  # the prompt ends inside a <think> block
+    tools: ToolSpec | None = None  # tools the answer may call (parsed out of it unless "none")
+    tool_format: ToolFormat | None = None
+    answer_prefix: str = ""  # the start of the answer that the prompt holds (tool_choice)
+
+    @property
+    def parses_tools(self) -> bool:
+        return self.tools is not None and self.tools.choice != "none"
 
 
 def read_json(raw: bytes) -> dict:
@@ -107,17 +117,41 @@ def config_error(e: Exception) -> APIError:
 def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one request body of ``endpoint`` ("chat" or "completions")."""
     check_model(body, served)
-    if endpoint == "chat":
-        ids = chat_prompt_ids(body, tokenizer)
-        opens, param = prompt_opens_reasoning(tokenizer, ids, served.think_tags), "messages"
-    else:
-        ids, opens, param = completion_prompt_ids(body, tokenizer, served.vocab_size), False, "prompt"
-    settings = generation_settings(body, served, len(ids), param)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
-    return CompletionRequest(endpoint, ids, settings, stream=stream, include_usage=include_usage,
-                             opens_reasoning=opens)
+    if endpoint == "chat":
+        spec = parse_tools(body.get("tools"), body.get("tool_choice"))
+        req = chat_request(chat_messages(body), spec, template_kwargs(body), tokenizer, served)
+        req.settings = generation_settings(body, served, len(req.prompt_ids), "messages")
+        req.stream, req.include_usage = stream, include_usage
+        return req
+    ids = completion_prompt_ids(body, tokenizer, served.vocab_size)
+    settings = generation_settings(body, served, len(ids), "prompt")
+    return CompletionRequest(endpoint, ids, settings, stream=stream, include_usage=include_usage)
+
+
+def chat_request(messages: list[dict], spec: ToolSpec | None, kwargs: dict, tokenizer,
+                 served: ServedModel, endpoint: str = "chat") -> CompletionRequest:
+    """A chat's prompt (messages, tools, template arguments) encoded; settings left to the caller.
+
+    With a forced ``tool_choice`` the answer's start goes at the end of the prompt (after closing
+    a reasoning block the template opened), and the request remembers it as ``answer_prefix``.
+    """
+    fmt = None
+    if spec is not None:
+        fmt = served.tool_format or tool_format(tokenizer)
+        messages, tool_kwargs = render_messages(messages, spec, fmt)
+        kwargs = {**kwargs, **tool_kwargs}
+    ids = chat_prompt_ids(messages, kwargs, tokenizer)
+    opens = prompt_opens_reasoning(tokenizer, ids, served.think_tags)
+    prefix = fmt.prefix(spec) if fmt is not None else ""
+    if prefix:
+        closing = served.think_tags[1] + "\n\n" if opens else ""
+        ids = ids + list(tokenizer.encode(closing + prefix, add_special_tokens=False))
+        opens = False
+    return CompletionRequest(endpoint, ids, None, opens_reasoning=opens, tools=spec,
+                             tool_format=fmt, answer_prefix=prefix)
 
 
 def check_model(body: dict, served: ServedModel) -> None:
@@ -233,7 +267,7 @@ def _content_text(content, index: int) -> str:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """The ``messages`` of a chat request, as the chat template takes them (text only)."""
+    """The ``messages`` of a chat request, as the chat template takes them (text and calls)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list of {role, content} objects is required",
@@ -245,26 +279,33 @@ def chat_messages(body: dict) -> list[dict]:
                            code="invalid_value")
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role, "content": _content_text(m.get("content"), i)}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if key in m:
                 msg[key] = m[key]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = history_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         out.append(msg)
     return out
 
 
-def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
-    """Prompt ids of a chat request: its messages through the tokenizer's chat template."""
-    messages = chat_messages(body)
+def template_kwargs(body: dict) -> dict:
+    """The chat template's extra arguments: ``chat_template_kwargs`` and the thinking switches."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise APIError(400, "chat_template_kwargs: must be an object",
                        param="chat_template_kwargs", code="invalid_type")
+    kwargs = dict(kwargs)
     for key in ("enable_thinking", "reasoning_effort"):
         if key in body and key not in kwargs:
             kwargs[key] = body[key]
     if "reasoning_effort" in kwargs and "enable_thinking" not in kwargs:
         kwargs["enable_thinking"] = kwargs["reasoning_effort"] not in (None, "none")
     kwargs.pop("reasoning_effort", None)
+    return kwargs
+
+
+def chat_prompt_ids(messages: list[dict], kwargs: dict, tokenizer) -> list[int]:
+    """Prompt ids of a chat: its messages through the tokenizer's chat template."""
     try:
         return encode_prompt(tokenizer, {"messages": messages}, **kwargs)
     except Exception as e:  # templates raise anything (jinja, KeyError, ...): the client's fault

@@ -3,6 +3,9 @@
 MLX state (the model, its caches, the shared prompt cache) belongs to a single thread, so no two
 generations ever share it; the event loop talks to that thread only through each job's asyncio
 queue. A job whose client left is stopped at its next cycle, or skipped if it is still queued.
+Admission is first in, first out; ``max_queue`` jobs may wait, beyond that ``submit`` raises
+``QueueFull``. ``max_concurrency`` is how many sequences may decode together: stored for the
+batched engine, while this worker still runs one at a time (``batch_size`` is 0 or 1).
 This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelled job
 ``GenerationCancelled``, and a failed one re-raises the engine's own exception.
 """
@@ -10,6 +13,7 @@ This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelle
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -18,10 +22,58 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend import release_thread_streams
+from ..backend import compute_dtype, release_thread_streams
 from ..errors import GenerationCancelled, QueueFull
 from ..prompt_cache import PromptCache
 from ..speculative import DFlashResponse, stream_generate
+from ..target import target_parts
+
+MAX_DEFAULT_CONCURRENCY = 16
+KV_MEMORY_SHARE = 0.5  # of the memory the weights leave free
+
+
+def _memory_bytes() -> int:
+    """The memory models and caches can use: Metal's recommended working set, else the RAM."""
+    import mlx.core as mx
+
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of attention cache one token adds to a sequence of ``model`` (keys and values)."""
+    import mlx.core as mx
+
+    dtype = compute_dtype() or mx.float16
+    total = 0
+    for layer in target_parts(model).layers:
+        attn = getattr(layer, "self_attn", None)
+        heads = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+        head_dim = getattr(attn, "head_dim", None)
+        if heads and head_dim:
+            total += 2 * heads * head_dim * dtype.size
+    return total
+
+
+def default_max_concurrency(pair, max_context: int | None) -> int:
+    """Sequences whose full-context attention caches fit in half the memory the weights leave.
+
+    ``(memory - weights) * 0.5 // (kv_bytes_per_token * max_context)``, between 1 and 16; memory
+    is Metal's recommended working set (elsewhere the machine's RAM), weights those of the target
+    and the drafter. Recurrent (GatedDeltaNet) layers hold a fixed state and are not counted.
+    """
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.nbytes for m in (pair.model, pair.draft)
+                  for _, v in tree_flatten(m.parameters()))
+    per_sequence = kv_bytes_per_token(pair.model) * (max_context or 4096)
+    free = (_memory_bytes() - weights) * KV_MEMORY_SHARE
+    if per_sequence <= 0:
+        return MAX_DEFAULT_CONCURRENCY
+    return int(max(1, min(MAX_DEFAULT_CONCURRENCY, free // per_sequence)))
 
 
 @dataclass
@@ -35,6 +87,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
+    first_token: float | None = None  # when the first generated token was ready
 
     @property
     def queue_time(self) -> float:
@@ -51,14 +104,17 @@ class Job:
 class Worker:
     """Loads the pair in its own thread and runs queued generations there, one at a time.
 
-    ``metrics`` receives ``generation(last_response)`` and ``cancelled_generation()``.
+    ``metrics`` receives ``generation(last_response, ttft=..., tpot=...)`` and
+    ``cancelled_generation()``.
     """
 
-    def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64):
+    def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64,
+                 max_concurrency: int = 1):
         self.loader = loader
         self.metrics = metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: admission in arrival order
         self.max_queue = max_queue
+        self.max_concurrency = max_concurrency
         self.pair = None
         self.current: Job | None = None
         self._ready = threading.Event()
@@ -108,6 +164,11 @@ class Worker:
     @property
     def busy(self) -> bool:
         return self.current is not None
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences decoding now (this worker runs one at a time)."""
+        return int(self.current is not None)
 
     def submit(self, job: Job) -> None:
         if self.jobs.qsize() >= self.max_queue:
@@ -167,6 +228,8 @@ class Worker:
                                       job.prompt_ids, prompt_cache=prompt_cache, **job.kwargs)
                 for r in gen:
                     last = r
+                    if job.first_token is None and r.tokens:
+                        job.first_token = time.perf_counter()
                     job.emit("chunk", r)
                     if job.cancel.is_set():
                         gen.close()
@@ -182,5 +245,15 @@ class Worker:
                 job.emit("error", e)
             finally:
                 if last is not None:
-                    self.metrics.generation(last)
+                    self.metrics.generation(last, **job_timing(job, last))
                 self.current = None
+
+
+def job_timing(job: Job, last: DFlashResponse) -> dict:
+    """Time to first token (from submission, queue included) and mean time per later token."""
+    if job.first_token is None:
+        return {}
+    timing = {"ttft": job.first_token - job.submitted}
+    if last.generation_tokens > 1:
+        timing["tpot"] = (time.perf_counter() - job.first_token) / (last.generation_tokens - 1)
+    return timing
