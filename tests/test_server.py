@@ -258,29 +258,75 @@ def _cancelled(base) -> float:
     return float(m.group(1))
 
 
-def test_queued_client_that_leaves_is_dropped(server, client):
+def _requests_with_status(base, status: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    return sum(float(v) for v in re.findall(
+        rf'^dflash_requests_total{{[^}}]*status="{status}"[^}}]*}} (\S+)$', text, re.M))
+
+
+def _generated_tokens(base) -> float:
+    m = re.search(r"^dflash_generation_tokens_total (\S+)$", httpx.get(base + "/metrics").text,
+                  re.M)
+    return float(m.group(1))
+
+
+def test_queued_client_that_leaves_is_dropped(server, reference):
+    """A first client streams a long answer to its end; meanwhile a second request queues behind
+    it and its client gives up. The queued job is dropped without running (no token generated
+    for it) and the first answer is exactly the library's."""
     base = server["base"]
-    before = _cancelled(base)
-    long = {"model": MODEL_NAME, "messages": chat("Keep talking."), "max_tokens": 3000,
-            "temperature": 0, "stream": True, "logit_bias": _eos_bias(base)}
-    with httpx.Client(timeout=60) as http:
+    bias = _eos_bias(base)
+    messages, n = chat("Keep talking."), 400  # long enough to outlast the second client's wait
+    expected, _, _ = reference(messages, max_tokens=n,
+                               logit_bias={int(k): v for k, v in bias.items()})
+    cancelled, left, generated = (_cancelled(base), _requests_with_status(base, "499"),
+                                  _generated_tokens(base))
+    long = {"model": MODEL_NAME, "messages": messages, "max_tokens": n, "temperature": 0,
+            "stream": True, "logit_bias": bias}
+    gave_up = []
+
+    def queued_client_that_leaves():
+        try:
+            httpx.post(base + "/v1/chat/completions", timeout=0.5, json={
+                "model": MODEL_NAME, "messages": chat("Hi"), "max_tokens": 8})
+        except httpx.TimeoutException:
+            gave_up.append(True)
+
+    data = []
+    with httpx.Client(timeout=120) as http:
         with http.stream("POST", base + "/v1/chat/completions", json=long) as resp:
-            for line in resp.iter_lines():
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # kept: a dropped iterator closes the connection
+            for line in lines:
                 if line.startswith("data: "):
+                    data.append(line)
                     break  # the long generation now holds the worker
-            # A non-streaming request queues behind it, and its client gives up.
-            with pytest.raises(httpx.TimeoutException):
-                httpx.post(base + "/v1/chat/completions", timeout=1.0, json={
-                    "model": MODEL_NAME, "messages": chat("Hi"), "max_tokens": 3000,
-                    "logit_bias": _eos_bias(base)})
-            time.sleep(0.8)  # the server notices the disconnect
-    r = client.chat.completions.create(model=MODEL_NAME, messages=chat("Hi"), max_tokens=4,
-                                       temperature=0)
-    assert r.model_extra["dflash"]["queue_time"] < 10  # neither of the two ran to the end
+            second = threading.Thread(target=queued_client_that_leaves)
+            second.start()
+            deadline = time.time() + 30
+            while httpx.get(base + "/health").json()["queue_depth"] != 1:
+                assert time.time() < deadline, "the second request never queued"
+                time.sleep(0.05)
+            second.join(timeout=30)
+            assert gave_up == [True]
+            while _requests_with_status(base, "499") < left + 1:  # the server saw it leave
+                assert time.time() < deadline, "the server never noticed the client leave"
+                time.sleep(0.05)
+            health = httpx.get(base + "/health").json()
+            assert health["busy"] and health["queue_depth"] == 1  # the first still generates
+            data += [line for line in lines if line.startswith("data: ")]  # ... to its end
+    assert data[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in data[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     deadline = time.time() + 10
-    while _cancelled(base) < before + 2 and time.time() < deadline:
-        time.sleep(0.2)
-    assert _cancelled(base) == before + 2
+    while _cancelled(base) < cancelled + 1 and time.time() < deadline:
+        time.sleep(0.1)  # the worker takes the queued job and drops it
+    assert _cancelled(base) == cancelled + 1
+    assert _generated_tokens(base) == generated + n  # the first's tokens only: the other never ran
+    health = httpx.get(base + "/health").json()
+    assert (health["busy"], health["queue_depth"]) == (False, 0)
 
 
 def _error(resp, status, param=None, code=None):
