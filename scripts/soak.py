@@ -7,7 +7,8 @@ already running (``--url``, with ``--pid`` to watch its memory), and runs ``--cl
 ``max_tokens``, streamed and not, on chat, completions and messages. Some clients leave mid-way
 (a stream closed after a few chunks, a non-streamed request given up after a short timeout), and
 some requests are malformed (bad JSON, bad fields, broken tools schemas, unknown Anthropic fields,
-an oversize body) and must get the 4xx the server documents.
+an oversize body; a few from each client, and one more client sends only those) and must get the
+4xx the server documents.
 
 Afterwards every completed response is checked against the same request run alone through the
 library (``dflash.generate``, one reference per distinct prompt and ``max_tokens``, computed in
@@ -276,6 +277,15 @@ class Client:
             with self.lock:
                 self.outcomes.append(out)
 
+    def run_malformed(self, end: float) -> None:
+        """Malformed requests only, every ``--malformed-every`` seconds: they arrive while the
+        other clients' generations queue and run, however slow those are."""
+        while time.monotonic() < end:
+            out = self.malformed(*self.rng.choice(self.cases))
+            with self.lock:
+                self.outcomes.append(out)
+            time.sleep(self.args.malformed_every)
+
     def malformed(self, name: str, path: str, body, expected: int) -> Outcome:
         out = Outcome("malformed", detail=name)
         if body is None:
@@ -503,6 +513,9 @@ def run_load(url: str, pid: int | None, args, proc=None) -> tuple[Summary, list[
     clients = [Client(i, url, card["id"], questions, args, outcomes, lock, oversize)
                for i in range(args.clients)]
     threads = [threading.Thread(target=c.run, args=(end,), daemon=True) for c in clients]
+    if args.malformed_every > 0:
+        bad = Client(len(clients), url, card["id"], questions, args, outcomes, lock, oversize)
+        threads.append(threading.Thread(target=bad.run_malformed, args=(end,), daemon=True))
     for t in threads:
         t.start()
     for t in threads:  # the requests in flight at the end run to their end
@@ -611,8 +624,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 clients, 30 s")
     p.add_argument("--max-tokens", help="comma-separated answer lengths to mix "
                                         "(default 16,32,64,96; --quick 8,16,24)")
-    p.add_argument("--malformed-rate", type=float, default=0.12)
-    p.add_argument("--disconnect-rate", type=float, default=0.15)
+    p.add_argument("--malformed-rate", type=float, default=0.05,
+                   help="share of each client's requests that are malformed (default 0.05)")
+    p.add_argument("--malformed-every", type=float, default=1.0,
+                   help="seconds between the requests of one more client that sends only "
+                        "malformed ones (default 1; 0: none)")
+    p.add_argument("--disconnect-rate", type=float, default=0.15,
+                   help="share of streams closed after a few chunks; half of it: non-streamed "
+                        "requests given up after 0.2-3 s (default 0.15)")
     p.add_argument("--max-growth", type=float, default=0.10,
                    help="largest RSS growth of the last quartile over the first's peak "
                         "(default 0.10)")
