@@ -2,7 +2,7 @@
 
 Issue 13 asks that our cycle (draft a block, verify it, accept, roll back) stay >= 1.2x cheaper
 than z-lab's (PyPI ``dflash`` 0.1.0, ``dflash/model_mlx.py``) at a fixed chain. Both loops run in
-this one process, alternating prompt by prompt, so background load hits both alike:
+this one process, on the same prompts:
 
 * ours: ``policy="fixed"`` (every drafted row verified), greedy;
 * z-lab's: its ``stream_generate``, which always verifies the whole block, greedy.
@@ -13,10 +13,14 @@ unquantized safetensors, so it gets the same weights dequantized (``--zlab-draft
 numbers our engine computes with) or re-quantized by its own ``--draft-bits`` path
 (``--zlab-draft 6bit``: ``nn.quantize`` 6-bit, group 64, as its CLI does). Same prompt token ids.
 
-A cycle's time is decode wall time (first token to last, prefill excluded) over the cycles run;
-the ratio is z-lab ms/cycle over ours (> 1: ours is cheaper). Per-token times are printed too:
-they also fold in each side's acceptance (z-lab proposes over the full vocabulary; our engine
-honours the checkpoint's ``draft_vocab_ids``).
+A cycle's time is its wall time (prefill and first token excluded); the ratio is z-lab ms/cycle
+over ours (> 1: ours is cheaper). The two loops advance in turn, one cycle each, each cycle timed
+with the device work it queued, so load from other processes falls on both alike. Per-token times
+are printed too: they also fold in each side's acceptance (z-lab proposes over the full
+vocabulary; our engine honours the checkpoint's ``draft_vocab_ids``). z-lab's MLX path needs only
+mlx, mlx-lm and huggingface_hub (its packaging installs MLX on Apple Silicon only; on Linux its CLI
+uses Transformers); here it also gets the OpenBLAS routing ``import dflash`` sets up, without which
+MLX's CPU matmuls use a reference BLAS.
 
 z-lab's package is also called ``dflash``; install it apart and point ``--zlab`` at it:
 
@@ -87,29 +91,39 @@ def zlab_draft(zmlx, draft_dir: Path, our_draft, bits: int | None):
     return draft
 
 
-def run_ours(model, draft, tokenizer, ids: list[int], max_tokens: int, block: int) -> dict:
-    first, last, tokens = None, None, []
+def ours(model, draft, tokenizer, ids: list[int], max_tokens: int, block: int):
+    """Our loop, one response per cycle after the first token (no plain steps under ``fixed``)."""
     for r in stream_generate(model, draft, tokenizer, ids, block_size=block,
                              max_tokens=max_tokens, policy="fixed"):
-        if first is None:
-            first = time.perf_counter()
-        tokens.extend(r.tokens)
-        last = r
-    end = time.perf_counter()
-    return {"time": end - first, "cycles": last.cycles, "tokens": tokens}
+        yield r.tokens
 
 
-def run_zlab(zmlx, model, draft, tokenizer, ids: list[int], max_tokens: int, block: int) -> dict:
-    first, cycles, tokens = None, 0, []
+def zlab(zmlx, model, draft, tokenizer, ids: list[int], max_tokens: int, block: int):
+    """z-lab's loop: one response per cycle after the first token, and a last empty one."""
     for r in zmlx.stream_generate(model, draft, tokenizer, mx.array(ids), block_size=block,
                                   max_tokens=max_tokens, temperature=0.0):
-        if first is None:
-            first = time.perf_counter()
-        elif r.accepted is not None:  # one response per cycle (not the first token, not the end)
-            cycles += 1
-        tokens.extend(r.tokens)
-    end = time.perf_counter()
-    return {"time": end - first, "cycles": cycles, "tokens": tokens}
+        if r.tokens:
+            yield r.tokens
+
+
+def interleaved(runs: dict) -> dict[str, dict]:
+    """Advance the generators in turn, one cycle each, timing every cycle with the device work it
+    left queued (``mx.synchronize``), so that each side pays for its own work and background load
+    falls on both alike. The first step (prefill and first token) is not a cycle."""
+    out = {name: {"cycle_s": [], "tokens": []} for name in runs}
+    live = dict(runs)
+    while live:
+        for name, gen in list(live.items()):
+            tic = time.perf_counter()
+            tokens = next(gen, None)
+            mx.synchronize()
+            if tokens is None:
+                del live[name]
+                continue
+            if out[name]["tokens"]:
+                out[name]["cycle_s"].append(time.perf_counter() - tic)
+            out[name]["tokens"].extend(tokens)
+    return out
 
 
 def spread(xs: list[float]) -> str:
@@ -145,29 +159,27 @@ def main() -> None:
           f"device {mx.default_device()} · mlx {mx.__version__} · block {args.block_size} · "
           f"max tokens {args.max_tokens} · {len(prompts)} prompts x {args.repeats} repeats")
 
-    def ours(ids):
-        return run_ours(model, draft, tokenizer, ids, args.max_tokens, args.block_size)
+    def run(ids, limit=None):
+        n = limit or args.max_tokens
+        return interleaved({
+            "ours": ours(model, draft, tokenizer, ids, n, args.block_size),
+            "z-lab": zlab(zmlx, zmodel, zdraft, tokenizer, ids, n, args.block_size)})
 
-    def theirs(ids):
-        return run_zlab(zmlx, zmodel, zdraft, tokenizer, ids, args.max_tokens, args.block_size)
-
-    ours(prompts[0][1][:32])  # warm-up both
-    theirs(prompts[0][1][:32])
+    run(prompts[0][1], 16)  # warm-up both
     cycle_ratios, token_ratios = [], []
     print("prompt                 rep  ours ms/cycle  z-lab ms/cycle  ratio  ours tau  z-lab tau"
           "  same tokens")
     for pid, ids in prompts:
         for rep in range(args.repeats):
-            order = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
-            results = {fn: fn(ids) for fn in order}
-            a, b = results[ours], results[theirs]
-            ms_a = 1e3 * a["time"] / max(a["cycles"], 1)
-            ms_b = 1e3 * b["time"] / max(b["cycles"], 1)
-            tau_a = (len(a["tokens"]) - 1) / max(a["cycles"], 1)
-            tau_b = (len(b["tokens"]) - 1) / max(b["cycles"], 1)
+            res = run(ids)
+            a, b = res["ours"], res["z-lab"]
+            ms_a = 1e3 * statistics.mean(a["cycle_s"])
+            ms_b = 1e3 * statistics.mean(b["cycle_s"])
+            tau_a = (len(a["tokens"]) - 1) / len(a["cycle_s"])
+            tau_b = (len(b["tokens"]) - 1) / len(b["cycle_s"])
             cycle_ratios.append(ms_b / ms_a)
-            token_ratios.append((b["time"] / max(len(b["tokens"]) - 1, 1))
-                                / (a["time"] / max(len(a["tokens"]) - 1, 1)))
+            token_ratios.append(sum(b["cycle_s"]) / (len(b["tokens"]) - 1)
+                                / (sum(a["cycle_s"]) / (len(a["tokens"]) - 1)))
             same = "yes" if a["tokens"] == b["tokens"] else "no"
             print(f"{pid:22s} {rep:3d}  {ms_a:13.1f}  {ms_b:14.1f}  {ms_b / ms_a:5.2f}  "
                   f"{tau_a:8.2f}  {tau_b:9.2f}  {same}", flush=True)
