@@ -208,6 +208,15 @@ def test_no_state_left_after_error_or_interrupted_generator(loaded_pair):
     assert generate(model, draft, tokenizer, prompt, max_tokens=40).tokens == before
 
 
+def cut_drafter(tmp_path, target, vocab: list[int]):
+    """A tiny drafter for ``target`` that proposes only ``vocab``."""
+    path = write_drafter(tmp_path / "cut", target,
+                         extra={"dflash_config": {"target_layer_ids": [0, 2],
+                                                  "mask_token_id": 100,
+                                                  "draft_vocab_ids": vocab}})
+    return load_draft(str(path))
+
+
 def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, tiny_pair,
                                                                        loaded_pair):
     target, _ = tiny_pair("qwen3")
@@ -215,11 +224,7 @@ def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, 
     prompt = [1, 2, 3, 4, 5, 6]
     ref = generate(model, full_draft, tokenizer, prompt, max_tokens=40).tokens
     vocab = sorted(set(ref[::2]) | {7, 8, 9})
-    path = write_drafter(tmp_path / "cut", target,
-                         extra={"dflash_config": {"target_layer_ids": [0, 2],
-                                                  "mask_token_id": 100,
-                                                  "draft_vocab_ids": vocab}})
-    draft = load_draft(str(path))
+    draft = cut_drafter(tmp_path, target, vocab)
     parts = target_parts(model)
     cache = draft.make_cache()
     draft.append_context(mx.zeros((1, 3, 2 * draft.config.hidden_size)), cache)
@@ -246,11 +251,7 @@ def test_cut_vocabulary_scores_and_every_proposal_path_stay_exact(tmp_path, tiny
     prompt = [1, 2, 3, 4, 5, 6]
     ref = generate(model, full_draft, tokenizer, prompt, max_tokens=40).tokens
     vocab = sorted(set(ref) | {7, 8, 9})
-    path = write_drafter(tmp_path / "cut", target,
-                         extra={"dflash_config": {"target_layer_ids": [0, 2],
-                                                  "mask_token_id": 100,
-                                                  "draft_vocab_ids": vocab}})
-    draft = load_draft(str(path))
+    draft = cut_drafter(tmp_path, target, vocab)
     parts = target_parts(model)
     cache = draft.make_cache()
     draft.append_context(mx.random.normal((1, 3, 2 * draft.config.hidden_size)), cache)
