@@ -313,19 +313,26 @@ class DFlashDraftModel(nn.Module):
         """Concatenated target layer outputs ``(B, T, n_taps*hidden)`` -> context rows."""
         return self.hidden_norm(self.fc(taps))
 
-    def block_logits(self, target, anchor: int, block_len: int, cache: list[KVCache]) -> mx.array:
-        """Logits ``(block_len - 1, V)`` for the masked positions of ``[anchor, MASK, ...]``.
+    def block_scores(self, target, anchor: int, block_len: int,
+                     cache: list[KVCache]) -> tuple[mx.array, mx.array | None]:
+        """``(scores, ids)``: logits ``(block_len - 1, n)`` for the masked positions of
+        ``[anchor, MASK, ...]`` over the draft vocabulary ``ids`` (``None``: the whole vocabulary).
 
-        ``target`` lends its embedding and head (:class:`dflash.target.TargetParts`).
+        ``target`` lends its embedding and head (:class:`dflash.target.TargetParts`). The loop reads
+        these: a cut vocabulary never pays for a full-vocabulary row of ``-inf``.
         """
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
         hidden = self(target.embed(block), cache)[0, 1:]
         if self.config.draft_vocab_ids is None:
-            return target.head(hidden)
+            return target.head(hidden), None
         ids, rows = self.head_cut(target)
-        logits = mx.full((hidden.shape[0], target.vocab_size), -mx.inf, dtype=hidden.dtype)
-        logits[:, ids] = hidden @ rows.T
-        return logits
+        return hidden @ rows.T, ids
+
+    def block_logits(self, target, anchor: int, block_len: int, cache: list[KVCache]) -> mx.array:
+        """:meth:`block_scores` as full-vocabulary logits ``(block_len - 1, V)`` (``-inf`` outside
+        the draft vocabulary)."""
+        return full_logits(*self.block_scores(target, anchor, block_len, cache),
+                           target.vocab_size)
 
     def propose(self, draft_logits: mx.array, anchor: int, cache: list, sampler,
                 history: list[int]) -> tuple[mx.array, list | None]:
@@ -365,6 +372,15 @@ class DFlashDraftModel(nn.Module):
                               attn.block_causal, block_start, block_start - n_context)
             x = layer(x, ctx_keys, ctx_values, block_start, mask)
         return self.norm(x)
+
+
+def full_logits(scores: mx.array, ids: mx.array | None, vocab_size: int) -> mx.array:
+    """Scores over the draft vocabulary ``ids`` as logits over all ``vocab_size`` ids."""
+    if ids is None:
+        return scores
+    logits = mx.full((scores.shape[0], vocab_size), -mx.inf, dtype=scores.dtype)
+    logits[:, ids] = scores
+    return logits
 
 
 class DFlash2Layer(DraftLayer):
@@ -418,6 +434,10 @@ class DFlash2DraftModel(DFlashDraftModel):
             if skip:
                 layer_cache.skip(skip)
             layer_cache.update_and_fetch(*layer.self_attn.context_kv(context, layer_cache.offset))
+
+    def block_scores(self, target, anchor: int, block_len: int,
+                     cache: list) -> tuple[mx.array, None]:
+        return self.block_logits(target, anchor, block_len, cache), None
 
     def block_logits(self, target, anchor: int, block_len: int, cache: list) -> mx.array:
         """The selector's unary logits ``U`` ``(block_len - 1, V)``; the hidden states stay in

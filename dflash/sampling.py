@@ -426,6 +426,11 @@ class BlockSampler:
     # -- drafting and acceptance -----------------------------------------------------------
 
     @property
+    def proposes_argmax(self) -> bool:
+        """Proposals are each drafter row's raw argmax (no bias, no penalties, not sampled)."""
+        return not self.samples_proposals and not self.penalties and self.bias_ids is None
+
+    @property
     def samples_proposals(self) -> bool:
         """Proposals are drawn (and accepted against their ``q``), not the drafter's argmax."""
         return self.cfg.proposal == "sample" and not self.greedy

@@ -208,6 +208,15 @@ def test_no_state_left_after_error_or_interrupted_generator(loaded_pair):
     assert generate(model, draft, tokenizer, prompt, max_tokens=40).tokens == before
 
 
+def cut_drafter(tmp_path, target, vocab: list[int]):
+    """A tiny drafter for ``target`` that proposes only ``vocab``."""
+    path = write_drafter(tmp_path / "cut", target,
+                         extra={"dflash_config": {"target_layer_ids": [0, 2],
+                                                  "mask_token_id": 100,
+                                                  "draft_vocab_ids": vocab}})
+    return load_draft(str(path))
+
+
 def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, tiny_pair,
                                                                        loaded_pair):
     target, _ = tiny_pair("qwen3")
@@ -215,11 +224,7 @@ def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, 
     prompt = [1, 2, 3, 4, 5, 6]
     ref = generate(model, full_draft, tokenizer, prompt, max_tokens=40).tokens
     vocab = sorted(set(ref[::2]) | {7, 8, 9})
-    path = write_drafter(tmp_path / "cut", target,
-                         extra={"dflash_config": {"target_layer_ids": [0, 2],
-                                                  "mask_token_id": 100,
-                                                  "draft_vocab_ids": vocab}})
-    draft = load_draft(str(path))
+    draft = cut_drafter(tmp_path, target, vocab)
     parts = target_parts(model)
     cache = draft.make_cache()
     draft.append_context(mx.zeros((1, 3, 2 * draft.config.hidden_size)), cache)
@@ -234,3 +239,34 @@ def test_restricted_draft_vocabulary_proposes_from_it_and_stays_exact(tmp_path, 
                                                  "draft_vocab_ids": [10**7]}})
     with pytest.raises(IncompatibleDraftError, match="draft_vocab_ids"):
         generate(model, load_draft(str(bad)), tokenizer, prompt, max_tokens=4)
+
+
+def test_cut_vocabulary_scores_and_every_proposal_path_stay_exact(tmp_path, tiny_pair,
+                                                                  loaded_pair):
+    """``block_scores`` scores only the draft vocabulary (``block_logits`` is the same numbers
+    with -inf elsewhere); greedy proposals read from the candidates on the host, and proposals
+    through ``propose`` (logit bias), keep every policy exact."""
+    target, _ = tiny_pair("qwen3")
+    model, tokenizer, full_draft = loaded_pair("qwen3")
+    prompt = [1, 2, 3, 4, 5, 6]
+    ref = generate(model, full_draft, tokenizer, prompt, max_tokens=40).tokens
+    vocab = sorted(set(ref) | {7, 8, 9})
+    draft = cut_drafter(tmp_path, target, vocab)
+    parts = target_parts(model)
+    cache = draft.make_cache()
+    draft.append_context(mx.random.normal((1, 3, 2 * draft.config.hidden_size)), cache)
+    scores, ids = draft.block_scores(parts, 5, 8, cache)
+    logits = draft.block_logits(parts, 5, 8, cache)
+    assert scores.shape == (7, len(vocab)) and ids.tolist() == vocab
+    assert mx.allclose(logits[:, ids], scores, atol=1e-5)
+    outside = mx.array([i for i in range(logits.shape[-1]) if i not in set(vocab)])
+    assert bool(mx.all(mx.isinf(logits[:, outside]) & (logits[:, outside] < 0)))
+    for policy in ("auto", "fixed", "tree"):
+        out = generate(model, draft, tokenizer, prompt, max_tokens=40, policy=policy)
+        assert out.tokens == ref, policy
+    bias = {vocab[-1]: 2.0, ref[3]: -1.5}  # proposals through `propose`, on full logits
+    want = generate(model, full_draft, tokenizer, prompt, max_tokens=40, logit_bias=bias).tokens
+    for policy in ("auto", "fixed"):
+        got = generate(model, draft, tokenizer, prompt, max_tokens=40, logit_bias=bias,
+                       policy=policy)
+        assert got.tokens == want, policy

@@ -193,6 +193,9 @@ class TableDrafter:
             self.noise[key] = rng.normal(0.0, self.NOISE, V)
         return self.noise[key]
 
+    def block_scores(self, target, anchor: int, block_len: int, cache):
+        return self.block_logits(target, anchor, block_len, cache), None  # the whole vocabulary
+
     def block_logits(self, target, anchor: int, block_len: int, cache) -> mx.array:
         pos = cache[0].offset  # absolute position of the anchor
         self.known[pos] = anchor

@@ -132,6 +132,9 @@ class OracleDrafter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def block_scores(self, target, anchor: int, block_len: int, cache):
+        return self.block_logits(target, anchor, block_len, cache), None  # the whole vocabulary
+
     def block_logits(self, target, anchor: int, block_len: int, cache) -> mx.array:
         real = self.inner.block_logits(target, anchor, block_len, cache)  # keep the real path hot
         pos = cache[0].offset  # the anchor's absolute position
