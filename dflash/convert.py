@@ -56,7 +56,14 @@ from .checkpoint import (
     weight_files,
     write_atomically,
 )
-from .drafter import CODEBOOKS, DFlashConfig, DFlashDraftModel, build_draft, load_draft, published_names
+from .drafter import (
+    CODEBOOKS,
+    DFlashConfig,
+    DFlashDraftModel,
+    build_draft,
+    load_draft,
+    published_names,
+)
 from .errors import DFlashError, DraftCheckpointError
 from .prompts import encode_prompt, read_prompts
 from .target import TargetParts, check_compatible, forward, make_cache, target_parts

@@ -15,6 +15,7 @@ Usage::
 
     python scripts/bench_quant.py --draft PATH --target PATH [--prompts FILE.jsonl]
         [--n-prompts 8] [--max-tokens 128] [--variants src,fp32,8,6,4,mixed_8_4,mixed_6_4,sensitivity]
+        (DFlash2: e.g. 6+cbf = 6-bit with float codebooks, 6+cb4, 6+kf = float kernel projections)
         [--bit-budget 5] [--native] [--json OUT.json]
 
 Without ``--draft``/``--target`` it uses the built-in pair (SmolLM2-135M and its drafter).
@@ -48,6 +49,23 @@ DEFAULT_VARIANTS = "src,fp32,8,6,4,mixed_8_4,mixed_6_4,sensitivity"
 
 
 def variant_options(name: str, bit_budget: float) -> dict:
+    """Options of a variant name; DFlash2 drafters take suffixes: ``+cbN`` codebooks at N bits,
+    ``+cbf`` codebooks in float, ``+kf`` kernel projections in float (e.g. ``6+cbf+kf``)."""
+    name, *extras = name.split("+")
+    opts = _base_options(name, bit_budget)
+    for extra in extras:
+        if extra == "kf":
+            opts["float_kernels"] = True
+        elif extra == "cbf":
+            opts["codebook_bits"] = None
+        elif extra.startswith("cb") and extra[2:].isdigit():
+            opts["codebook_bits"] = int(extra[2:])
+        else:
+            raise SystemExit(f"variant suffix +{extra}: use +cbN, +cbf or +kf")
+    return opts
+
+
+def _base_options(name: str, bit_budget: float) -> dict:
     if name == "src":
         return {}
     if name in DTYPE_VARIANTS:

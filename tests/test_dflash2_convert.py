@@ -80,6 +80,17 @@ def test_float_parts_and_released_names(dflash2_source, tmp_path):
     load_draft(tmp_path / "mixed")
 
 
+@pytest.mark.slow
+def test_sensitivity_recipe_plans_the_dflash2_projections(dflash2_source, tmp_path):
+    target, src = dflash2_source
+    report = convert(src, tmp_path / "sens", quant_recipe="sensitivity", bit_budget=5,
+                     target=str(target), tau_prompts=())
+    measured = report["sensitivity"]["kl_single_tensor"]
+    assert KERNEL in measured and SELECTOR in measured
+    assert all(name not in measured and report["quantized"][name] == 8 for name in CODEBOOKS)
+    load_draft(tmp_path / "sens")
+
+
 def test_bad_codebook_bits_is_named(dflash2_source, tmp_path):
     _, src = dflash2_source
     with pytest.raises(DFlashError, match="codebook_bits=7"):
