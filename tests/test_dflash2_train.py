@@ -259,6 +259,8 @@ def test_bad_arch_and_init_from_raise_named_errors(pattern, v1_drafter, tmp_path
         Trainer(d2opts(pattern, tmp_path / "x", arch="dflash3"))
     with pytest.raises(TrainConfigError, match="--selector-weight"):
         Trainer(d2opts(pattern, tmp_path / "x", selector_weight=-1.0))
+    with pytest.raises(TrainConfigError, match="--init last and --init-from"):
+        Trainer(d2opts(pattern, tmp_path / "x", init="last", init_from=str(v1_drafter)))
     with pytest.raises(TrainConfigError, match="--conv-kernel-size"):
         Trainer(d2opts(pattern, tmp_path / "x", conv_kernel_size=9))
     d2 = tmp_path / "d2"

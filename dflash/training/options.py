@@ -145,6 +145,9 @@ class TrainOptions:
             raise TrainConfigError("--loss kl needs the teacher's top-k (--soft-topk >= 1)")
         if self.arch not in ARCHS:
             raise TrainConfigError(f"--arch {self.arch!r}: one of {', '.join(ARCHS)}")
+        if self.init_from and self.init != "none":
+            raise TrainConfigError(f"--init {self.init} and --init-from: choose one (target "
+                                   "layers or a v1 drafter)")
         if self.selector_weight < 0:
             raise TrainConfigError(f"--selector-weight {self.selector_weight}: must be >= 0")
         if self.arch == "dflash2":
