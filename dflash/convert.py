@@ -56,7 +56,14 @@ from .checkpoint import (
     weight_files,
     write_atomically,
 )
-from .drafter import DFlashConfig, DFlashDraftModel, build_draft, load_draft
+from .drafter import (
+    CODEBOOKS,
+    DFlashConfig,
+    DFlashDraftModel,
+    build_draft,
+    load_draft,
+    published_names,
+)
 from .errors import DFlashError, DraftCheckpointError
 from .prompts import encode_prompt, read_prompts
 from .target import TargetParts, check_compatible, forward, make_cache, target_parts
@@ -68,6 +75,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
 DEFAULT_SENSITIVITY_LEVELS = (3, 4, 5, 6, 8)
+DEFAULT_CODEBOOK_BITS = 8  # DFlash2 selector codebooks (measured: docs/convert.md)
 RECIPE_HELP = "uniform | mixed_H_L (e.g. mixed_8_4, mixed_6_4) | sensitivity"
 MIXED_RE = re.compile(r"^mixed_(\d)_(\d)$")
 LOSS_GAMMA = 7.0  # the DFlash loss decay for block 16: row k weighs exp(-(k-1)/gamma)
@@ -179,6 +187,35 @@ def linear_paths(model: nn.Module) -> list[str]:
                    if isinstance(m, (nn.Linear, nn.QuantizedLinear))), key=_sort_key)
 
 
+def is_kernel_projection(path: str) -> bool:
+    """DFlash2's per-layer kernel projections (``layers.i.{attention,mlp}_conv.kernel_projection``)."""
+    return path.endswith("_conv.kernel_projection")
+
+
+def dflash2_plan(model: nn.Module, plan: dict[str, int], kept: dict[str, str], group_size: int,
+                 codebook_bits: int | None, float_kernels: bool) -> list[str]:
+    """DFlash2's extra choices on top of a recipe's plan (both edited in place): the kernel
+    projections leave it with ``float_kernels``; the two codebooks (embeddings, outside the
+    recipes: the block-prediction KL does not see them) join it at ``codebook_bits``, or stay in
+    float with ``None``. The codebooks' paths, for the config's per-tensor block."""
+    if not getattr(model.config, "is_dflash2", False):
+        return []
+    if float_kernels:
+        for p in [p for p in plan if is_kernel_projection(p)]:
+            del plan[p]
+            kept[p] = "kernel projection kept in float (float_kernels)"
+    mods = dict(model.named_modules())
+    for p in CODEBOOKS:
+        rank = mods[p].weight.shape[-1]
+        if codebook_bits is None:
+            kept[p] = "codebook kept in float (codebook_bits=None)"
+        elif rank % group_size:
+            kept[p] = f"selector rank {rank} is not a multiple of the group size {group_size}"
+        else:
+            plan[p] = codebook_bits
+    return list(CODEBOOKS)
+
+
 def parse_recipe(recipe: str | None) -> tuple[str, tuple[int, int] | None]:
     if recipe in (None, "", "uniform"):
         return "uniform", None
@@ -194,11 +231,13 @@ def parse_recipe(recipe: str | None) -> tuple[str, tuple[int, int] | None]:
 
 
 def _mixed_plan(paths: list[str], n_layers: int, hi: int, lo: int) -> dict[str, int]:
+    """``hi`` bits outside the layer stack (``fc``, DFlash2's selector projection) and in the
+    first and last layer, ``lo`` in the others."""
     edge = {0, n_layers - 1}
     plan = {}
     for p in paths:
         m = re.match(r"layers\.(\d+)\.", p)
-        plan[p] = hi if p == "fc" or (m and int(m.group(1)) in edge) else lo
+        plan[p] = hi if not m or int(m.group(1)) in edge else lo
     return plan
 
 
@@ -750,16 +789,18 @@ def _sensitivity_plan_checked(ref, stored, paths, calib, group_size, bit_budget,
 def plan_quantization(model: DFlashDraftModel, src_weights: dict[str, mx.array], kind: str,
                       mixed: tuple[int, int] | None, q_bits: int, group_size: int,
                       bit_budget: float | None, levels, target: Target | None, calib_prompts,
-                      calib_samples: int, log) -> dict:
+                      calib_samples: int, log, codebook_bits: int | None = DEFAULT_CODEBOOK_BITS,
+                      float_kernels: bool = False) -> dict:
     """Bits per projection under the recipe, as the report's fields: ``quantization`` (the config
     block), ``quantized`` (the plan), ``kept``, ``average_bits``, ``calibration``,
     ``sensitivity`` and ``notes``.
 
     ``model`` holds the weights as they will be stored; ``src_weights`` the source drafter's (the
-    calibration reference, before any dtype change).
+    calibration reference, before any dtype change). DFlash2: see :func:`dflash2_plan`.
     """
     cfg = model.config
-    stored = {p: m.weight for p, m in model.named_modules() if isinstance(m, nn.Linear)}
+    stored = {p: m.weight for p, m in model.named_modules()
+              if isinstance(m, (nn.Linear, nn.Embedding))}
     paths = linear_paths(model)
     qpaths, kept = _split_divisible(model, paths, group_size)
     fields: dict[str, Any] = {"kept": kept, "notes": [], "calibration": None,
@@ -784,6 +825,7 @@ def plan_quantization(model: DFlashDraftModel, src_weights: dict[str, mx.array],
             ref, stored, qpaths, calib, group_size, bit_budget, levels, log)
         if note:
             fields["notes"].append(note)
+    paths = paths + dflash2_plan(model, plan, kept, group_size, codebook_bits, float_kernels)
     sizes = {p: int(stored[p].size) for p in plan}
     counts: dict[int, int] = {}
     for p, b in plan.items():
@@ -860,6 +902,8 @@ def convert(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     calib_prompts=FIXED_PROMPTS,
     calib_samples: int = 16,
+    codebook_bits: int | None = DEFAULT_CODEBOOK_BITS,
+    float_kernels: bool = False,
     tau_prompts=FIXED_PROMPTS,
     tau_max_tokens: int = 64,
     verify: bool = True,
@@ -871,6 +915,8 @@ def convert(
     ``bit_budget`` (sensitivity only, default ``q_bits``) is the average number of bits per
     quantized weight. ``target`` (path / hub id / loaded model / ``(model, tokenizer)``) gives
     real calibration features and the τ comparison (skipped when ``tau_prompts`` is empty).
+    DFlash2 drafters: ``codebook_bits`` (None: float) for the selector's two codebooks, and
+    ``float_kernels`` keeps the convolutions' kernel projections in float (docs/convert.md).
     Raises a :class:`DFlashError` subclass naming the problem; on failure nothing is left at
     ``mlx_path``.
     """
@@ -878,6 +924,9 @@ def convert(
     t_start = time.perf_counter()
     kind, mixed, quantize, bit_budget = _checked_options(
         quantize, q_bits, q_group_size, dtype, quant_recipe, bit_budget, max_shard_bytes)
+    if codebook_bits is not None and codebook_bits not in SUPPORTED_BITS:
+        raise DFlashError(f"codebook_bits={codebook_bits!r}: one of {SUPPORTED_BITS}, or None "
+                          "(float)")
     src = resolve_path(hf_path)
     dst = _checked_destination(src, mlx_path, force)
 
@@ -910,14 +959,16 @@ def convert(
     if quantize:
         report.update(plan_quantization(
             model, src_weights, kind, mixed, q_bits, q_group_size, bit_budget,
-            sensitivity_levels, tgt, calib_prompts, calib_samples, log))
+            sensitivity_levels, tgt, calib_prompts, calib_samples, log, codebook_bits,
+            float_kernels))
         _quantize(model, report["quantized"], q_group_size)
     out_cfg = _output_config(source.raw, report["quantization"], report["dtype"])
     report["bits_per_weight"] = _bits_per_weight(model)
 
     def fill(folder: Path) -> None:
         weights = dict(tree_flatten(model.parameters()))
-        files = write_checkpoint(folder, weights, out_cfg, src, max_shard_bytes)
+        # float codebooks under their released (bare) names; load_draft reads both forms
+        files = write_checkpoint(folder, published_names(weights), out_cfg, src, max_shard_bytes)
         report["files"] = [f.name for f in files]
         report["sharded"] = len(files) > 1
         report["size_after"] = _files_size(files)
@@ -966,8 +1017,8 @@ def format_report(r: dict) -> str:
         lines.append(f"  quantization: {r['recipe']}, group size {r['quantization']['group_size']}, "
                      f"{mix or 'nothing quantized'}; floats in {r['dtype']}")
         if r["kept"]:
-            lines.append(f"  kept in float: {', '.join(r['kept'])} (input dim not divisible by "
-                         "the group size)")
+            lines.append("  kept in float: " + "; ".join(f"{p} ({why})"
+                                                          for p, why in r["kept"].items()))
     before = r["bits_per_weight_before"]
     lines.append(f"  size on disk: {_fmt_size(r['size_before'])} -> {_fmt_size(r['size_after'])}"
                  f" ({len(r['files'])} file{'s' if len(r['files']) > 1 else ''})")
@@ -1036,6 +1087,12 @@ def add_convert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                              "(default: 8 built-in prompts)")
     parser.add_argument("--tau-max-tokens", type=int, default=64,
                         help="tokens generated per prompt for the τ comparison (default 64)")
+    parser.add_argument("--codebook-bits", default=str(DEFAULT_CODEBOOK_BITS),
+                        choices=[str(b) for b in SUPPORTED_BITS] + ["float"],
+                        help="DFlash2: bits of the selector's two codebooks when quantizing, or "
+                             f"float (default {DEFAULT_CODEBOOK_BITS})")
+    parser.add_argument("--float-kernels", action="store_true",
+                        help="DFlash2: keep the convolutions' kernel projections in float")
     parser.add_argument("--report-json", default=None, help="also write the report as JSON here")
     return parser
 
@@ -1055,7 +1112,8 @@ def run_convert(args: argparse.Namespace) -> int:
         force=args.force, dequantize=args.dequantize, target=args.target,
         bit_budget=args.bit_budget, max_shard_bytes=parse_size(args.max_shard_size),
         calib_prompts=prompts, tau_prompts=prompts, tau_max_tokens=args.tau_max_tokens,
-        log=console.log)
+        codebook_bits=None if args.codebook_bits == "float" else int(args.codebook_bits),
+        float_kernels=args.float_kernels, log=console.log)
     print(format_report(report), flush=True)
     if args.report_json:
         Path(args.report_json).write_text(json.dumps(report, indent=2, default=str))

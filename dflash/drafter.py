@@ -167,9 +167,9 @@ class DFlashConfig:
         if not 1 <= self.selector_top_k <= self.vocab_size:
             bad("selector_top_k", self.selector_top_k,
                 f"must be in 1..vocab_size ({self.vocab_size})")
-        if self.draft_vocab_ids is not None:
-            bad("draft_vocab_ids", "...", "is not supported with DFlash2 (the selector scores "
-                "the whole vocabulary's top candidates)")
+        if self.draft_vocab_ids is not None and len(self.draft_vocab_ids) < self.selector_top_k:
+            bad("draft_vocab_ids", f"[{len(self.draft_vocab_ids)} ids]",
+                f"must hold at least selector_top_k ({self.selector_top_k}) ids")
 
 
 def _dflash2_fields(cfg: dict, dflash: dict, source: str) -> dict:
@@ -322,7 +322,11 @@ class DFlashDraftModel(nn.Module):
         these: a cut vocabulary never pays for a full-vocabulary row of ``-inf``.
         """
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
-        hidden = self(target.embed(block), cache)[0, 1:]
+        return self.head_logits(target, self(target.embed(block), cache)[0, 1:])
+
+    def head_logits(self, target, hidden: mx.array) -> mx.array:
+        """The target head's logits of draft hidden states; with ``draft_vocab_ids``, ids outside
+        the draft vocabulary get ``-inf`` (they are never proposed)."""
         if self.config.draft_vocab_ids is None:
             return target.head(hidden), None
         ids, rows = self.head_cut(target)
@@ -446,7 +450,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         embeds = target.embed(block) * self.config.input_embedding_scale
         hidden = self(embeds, cache)[0, 1:]
         cache.block_hidden = hidden
-        return self.candidate_selector.unary(target.head(hidden))
+        return self.candidate_selector.unary(self.head_logits(target, hidden))
 
     def propose(self, draft_logits: mx.array, anchor: int, cache: list, sampler,
                 history: list[int]) -> tuple[mx.array, list | None]:
@@ -474,6 +478,14 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 # DFlash2 checkpoints store the selector's codebooks as bare tensors; here they are embeddings.
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def published_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Module parameter names -> the released checkpoints' names (bare float codebooks); the
+    inverse of :func:`sanitize`. Quantized codebooks keep ``.weight`` next to their scales."""
+    quantized = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
+    return {k[: -len(".weight")] if k[: -len(".weight")] in CODEBOOKS
+            and k[: -len(".weight")] not in quantized else k: v for k, v in weights.items()}
 
 
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -15,6 +15,7 @@ Usage::
 
     python scripts/bench_quant.py --draft PATH --target PATH [--prompts FILE.jsonl]
         [--n-prompts 8] [--max-tokens 128] [--variants src,fp32,8,6,4,mixed_8_4,mixed_6_4,sensitivity]
+        (DFlash2: e.g. 6+cbf = 6-bit with float codebooks, 6+cb4, 6+kf = float kernel projections)
         [--bit-budget 5] [--native] [--json OUT.json]
 
 Without ``--draft``/``--target`` it uses the built-in pair (SmolLM2-135M and its drafter).
@@ -37,17 +38,36 @@ from pathlib import Path
 import dflash  # noqa: F401  (routes OpenBLAS before mlx.core is imported)
 import mlx.core as mx
 # isort: on
+import numpy as np
 
 from dflash import backend
 from dflash.acceptance import measure_tau
 from dflash.checkpoint import read_weights
 from dflash.convert import FIXED_PROMPTS, build_calibration, convert, prompt_token_ids
+from dflash.dflash2 import walk
 from dflash.drafter import DFlashConfig, build_draft, load_draft
 
 DEFAULT_VARIANTS = "src,fp32,8,6,4,mixed_8_4,mixed_6_4,sensitivity"
 
 
 def variant_options(name: str, bit_budget: float) -> dict:
+    """Options of a variant name; DFlash2 drafters take suffixes: ``+cbN`` codebooks at N bits,
+    ``+cbf`` codebooks in float, ``+kf`` kernel projections in float (e.g. ``6+cbf+kf``)."""
+    name, *extras = name.split("+")
+    opts = _base_options(name, bit_budget)
+    for extra in extras:
+        if extra == "kf":
+            opts["float_kernels"] = True
+        elif extra == "cbf":
+            opts["codebook_bits"] = None
+        elif extra.startswith("cb") and extra[2:].isdigit():
+            opts["codebook_bits"] = int(extra[2:])
+        else:
+            raise SystemExit(f"variant suffix +{extra}: use +cbN, +cbf or +kf")
+    return opts
+
+
+def _base_options(name: str, bit_budget: float) -> dict:
     if name == "src":
         return {}
     if name in DTYPE_VARIANTS:
@@ -90,6 +110,29 @@ def step_time(draft, embed, context: int, block: int, reps: int = 10) -> float:
             times.append(time.perf_counter() - t0)
     times.sort()
     return 1000 * times[len(times) // 2]
+
+
+def path_agreement(calib, reference, draft, parts) -> float | None:
+    """DFlash2: the share of greedy selector proposals (the walk, codebooks included) equal to
+    the unquantized drafter's on the calibration blocks; None for v1. The unary KL above does not
+    see the codebooks; this does."""
+    if not draft.config.is_dflash2:
+        return None
+    same = total = 0
+    for taps, embeds in calib.samples:
+        paths = []
+        for model in (reference, draft):
+            cache = model.make_cache()
+            model.append_context(taps, cache)
+            hidden = model(embeds, cache)[0, 1:]
+            selector = model.candidate_selector
+            unary = selector.unary(model.head_logits(parts, hidden))
+            anchor = model.config.mask_token_id  # any fixed predecessor: both walks share it
+            paths.append(walk(*selector.lattice(hidden, unary, anchor),
+                              lambda _, scores: int(np.argmax(scores))))
+        same += sum(a == b for a, b in zip(*paths))
+        total += len(paths[0])
+    return same / max(total, 1)
 
 
 def _params(model):
@@ -170,21 +213,27 @@ def main(argv=None) -> int:
             "tau": tau["tau"], "draft_ms_per_cycle": tau["draft_ms_per_cycle"],
             "step_ms": step_time(draft, parts.embed, args.context, block),
             "tok_per_s": sum(len(o) for o in tau["outputs"]) / gen_s,
-            "convert_s": convert_s,
+            "convert_s": convert_s, "path_agree": path_agreement(calib, reference, draft, parts),
         }
         rows.append(row)
         print(f"  {name:<12} bpw {row['bits_per_weight']:5.2f}  {row['size_mb']:8.2f} MB  "
               f"KL {kl:8.4g}  top-1 {100 * agree:5.1f} %  τ {row['tau']:.3f}  "
               f"step {row['step_ms']:7.2f} ms  draft/cycle {row['draft_ms_per_cycle']:7.2f} ms  "
-              f"{row['tok_per_s']:6.1f} tok/s", flush=True)
+              f"{row['tok_per_s']:6.1f} tok/s"
+              + ("" if row["path_agree"] is None else f"  path {100 * row['path_agree']:5.1f} %"),
+              flush=True)
 
     base = next((r for r in rows if r["variant"] in ("fp32", "src")), rows[0] if rows else None)
-    print("\n| variant | bits/weight | size MB | KL vs unquantized | top-1 agree | τ | Δτ | "
-          "drafter step ms | drafter ms/cycle | tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    paths = any(r["path_agree"] is not None for r in rows)
+    print("\n| variant | bits/weight | size MB | KL vs unquantized | top-1 agree | "
+          + ("selector path agree | " if paths else "")
+          + "τ | Δτ | drafter step ms | drafter ms/cycle | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if paths else ""))
     for r in rows:
         print(f"| {r['variant']} | {r['bits_per_weight']:.2f} | {r['size_mb']:.2f} | {r['kl']:.4g} | "
-              f"{100 * r['top1']:.1f} % | {r['tau']:.3f} | {r['tau'] - base['tau']:+.3f} | "
+              f"{100 * r['top1']:.1f} % | "
+              + (f"{100 * r['path_agree']:.1f} % | " if paths else "")
+              + f"{r['tau']:.3f} | {r['tau'] - base['tau']:+.3f} | "
               f"{r['step_ms']:.2f} | {r['draft_ms_per_cycle']:.2f} | {r['tok_per_s']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"target": args.target, "draft": args.draft,

@@ -18,7 +18,7 @@ import mlx.core as mx
 # isort: on
 from mlx.utils import tree_flatten
 
-CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+from dflash.drafter import published_names
 
 
 def dflash2_config(v1_config: dict, taps: int = 2, group: int = 16, rank: int = 64,
@@ -36,12 +36,6 @@ def dflash2_config(v1_config: dict, taps: int = 2, group: int = 16, rank: int = 
                    max_window_layers=cfg["num_hidden_layers"],
                    layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
     return cfg
-
-
-def published_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Module parameter names -> the release's names (bare codebooks)."""
-    return {k[: -len(".weight")] if k[: -len(".weight")] in CODEBOOKS else k: v
-            for k, v in weights.items()}
 
 
 def write_dflash2_drafter(path: Path, v1_draft: Path, seed: int = 3, identity: bool = False,

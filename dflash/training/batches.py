@@ -26,6 +26,8 @@ class Batch:
     soft_p: object | None  # (n, bs-1, K) probabilities (0 for ids outside the vocabulary)
     n_rows: int = 0
     neg_w: object | None = None  # (R, H) head rows of sampled negatives (outside the vocabulary)
+    prev_ids: object | None = None  # (n, bs-1) full id before each labelled row (DFlash2 selector)
+    vocab_ids: object | None = None  # (n_vocab,) full id of each training-vocabulary row
 
 
 def make_batch(samples: list[Sample], rng: np.random.Generator, features: FeatureStore,
@@ -38,7 +40,7 @@ def make_batch(samples: list[Sample], rng: np.random.Generator, features: Featur
     from outside the vocabulary join the softmax. ``rng`` draws the anchors, then the negatives.
     """
     bs, mask_token_id = draft.block_size, draft.mask_token_id
-    feats, anchors, tokens, labels, seq_idx, soft = [], [], [], [], [], []
+    feats, anchors, tokens, labels, seq_idx, soft, prev = [], [], [], [], [], [], []
     for s_i, s in enumerate(samples):
         f = features.get(s)
         a = sample_anchors(rng, s.prompt_len, len(s.ids), n_anchors)
@@ -47,6 +49,8 @@ def make_batch(samples: list[Sample], rng: np.random.Generator, features: Featur
         anchors.append(a)
         tokens.append(t)
         labels.append(lab[:, 1:])
+        # the gold token before row k (the anchor for row 1): the selector's teacher-forced input
+        prev.append(s.ids[np.minimum(pos[:, :-1], len(s.ids) - 1)].astype(np.int64))
         seq_idx.append(np.full(len(a), s_i))
         if "top_ids" in f:
             rows = np.clip(pos[:, 1:] - 1, 0, len(s.ids) - 1)  # teacher row of token a+k
@@ -81,4 +85,5 @@ def make_batch(samples: list[Sample], rng: np.random.Generator, features: Featur
         seq_index=mx.array(np.concatenate(seq_idx)), tokens=mx.array(np.concatenate(tokens)),
         anchors=mx.array(anchors_np.astype(np.int32)), masks=masks, labels=mx.array(sub_labels),
         weights=mx.array(weights), soft_ids=soft_ids, soft_p=soft_p,
-        n_rows=int((sub_labels >= 0).sum()))
+        n_rows=int((sub_labels >= 0).sum()), prev_ids=mx.array(np.concatenate(prev)),
+        vocab_ids=mx.array(vocab.ids))

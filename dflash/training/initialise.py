@@ -16,7 +16,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import TrainConfigError
+from ..drafter import V1, V2, DFlash2DraftModel, DFlashDraftModel, load_draft, published_names
+from ..errors import DraftCheckpointError, TrainConfigError
+
+DEFAULT_WINDOW = 2048  # the released DFlash2 drafters' window (all layers sliding)
 
 
 def target_config(target_path: Path) -> dict:
@@ -58,6 +61,90 @@ def draft_config_dict(parts, tcfg: dict, layers: int, block_size: int, taps: lis
                           "mask_token_id": int(mask_token_id),
                           "block_size": int(block_size)},
     }
+
+
+def dflash2_config_dict(cfg: dict, kernel: int, group: int, rank: int, top_k: int,
+                       window: int | None) -> dict:
+    """A v1 config dict in the released DFlash2 layout: ``architectures``, the DFlash2 fields and
+    ``block_size`` inside ``dflash_config``, ``is_causal: false``, every layer sliding (with a
+    window) or full attention (``window`` None, as an upgraded v1 drafter without one)."""
+    out = json.loads(json.dumps(cfg))
+    n = int(out["num_hidden_layers"])
+    block_size = out.pop("block_size", None) or out["dflash_config"].get("block_size", 16)
+    out["architectures"] = [V2]
+    out["is_causal"] = False
+    out["dflash_config"].update(block_size=int(block_size), conv_kernel_size=int(kernel),
+                                conv_group_size=int(group), selector_rank=int(rank),
+                                selector_top_k=int(top_k))
+    for name in ("sliding_window", "use_sliding_window", "max_window_layers"):
+        out.pop(name, None)
+    if window is None:
+        out["layer_types"] = ["full_attention"] * n
+    else:
+        out.update(sliding_window=int(window), use_sliding_window=True, max_window_layers=n,
+                   layer_types=["sliding_attention"] * n)
+    return out
+
+
+def read_v1_drafter(path: str) -> tuple[dict, DFlashDraftModel]:
+    """The v1 drafter ``--init-from`` names: its config (without quantization and training
+    records; its draft vocabulary stays in ``dflash_config``) and its float model."""
+    try:
+        model = load_draft(path)
+    except DraftCheckpointError as e:
+        raise TrainConfigError(f"--init-from {path}: not a loadable DFlash drafter ({e})") from None
+    if model.config.architecture != V1:
+        raise TrainConfigError(
+            f"--init-from {path}: architectures is {model.config.architecture!r}; --init-from "
+            f"takes a v1 drafter ({V1}) (continue a {V2} run with --resume)")
+    cfg = {k: v for k, v in model.config.raw.items()
+           if k not in ("quantization", "quantization_config", "dflash_training")}
+    cfg = json.loads(json.dumps(cfg))
+    # v1 configs keep block_size at the top level; the loader's reading wins over stale copies
+    cfg["block_size"] = model.config.block_size
+    cfg["dflash_config"]["block_size"] = model.config.block_size
+    return cfg, model
+
+
+def init_dflash2(draft: DFlash2DraftModel, initializer_range: float = 0.02) -> None:
+    """DFlash2's new parts at their published initialisation: identity convolutions (tap 0 = 1,
+    zero kernel projection), a zero successor codebook (so the selector's scores are the unary
+    logits) and a small random predecessor codebook (nonzero, so the successor gets gradients)."""
+    for layer in draft.layers:
+        layer.attention_conv.identity()
+        layer.mlp_conv.identity()
+    selector = draft.candidate_selector
+    shape = selector.predecessor_codebook.weight.shape
+    selector.predecessor_codebook.weight = initializer_range * mx.random.normal(shape)
+    selector.successor_codebook.weight = mx.zeros(shape)
+    mx.eval(draft.parameters())
+
+
+def copy_v1_weights(draft: DFlashDraftModel, v1: DFlashDraftModel) -> list[str]:
+    """Copy every tensor of a v1 drafter into ``draft`` (a v1 or DFlash2 drafter of the same
+    backbone shapes); the names copied. DFlash2's own parts keep their initialisation."""
+    src = dict(tree_flatten(v1.parameters()))
+    dst = dict(tree_flatten(draft.parameters()))
+    for name, value in src.items():
+        if name not in dst or tuple(dst[name].shape) != tuple(value.shape):
+            raise TrainConfigError(f"--init-from: tensor {name} {tuple(value.shape)} has no "
+                                   "counterpart in the new drafter")
+    draft.load_weights([(k, v.astype(dst[k].dtype)) for k, v in src.items()], strict=False)
+    mx.eval(draft.parameters())
+    return sorted(src)
+
+
+def new_draft(cfg, v1: DFlashDraftModel | None = None) -> DFlashDraftModel:
+    """The drafter a run starts from: random (DFlash2's new parts at :func:`init_dflash2`), then
+    ``v1``'s tensors when upgrading or continuing a v1 drafter."""
+    if cfg.is_dflash2:
+        draft = DFlash2DraftModel(cfg)
+        init_dflash2(draft)
+    else:
+        draft = DFlashDraftModel(cfg)
+    if v1 is not None:
+        copy_v1_weights(draft, v1)
+    return draft
 
 
 def init_layer_ids(mode: str, n_draft: int, n_target: int,
@@ -147,7 +234,8 @@ def export_draft(draft, cfg_dict: dict, out: Path, extra: dict | None = None) ->
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(draft.parameters())}
+    weights = {k: v.astype(mx.bfloat16)
+               for k, v in published_names(dict(tree_flatten(draft.parameters()))).items()}
     tmp_dir = out.parent / f".{out.name}.export-tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(tmp_dir / "model.safetensors"), weights, metadata={"format": "pt"})

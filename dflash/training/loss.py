@@ -21,10 +21,11 @@ def draft_hidden(draft, context_feats, seq_index, block_embeds, anchors, masks):
     ``context_feats (S, T, n_taps*H)``: tap outputs of ``S`` sequences (padded to ``T``);
     ``seq_index (n,)``: the sequence of each block; ``anchors (n,)``: each block's start position
     (its RoPE offset); ``masks``: one ``(n, 1, bs, T+bs)`` visibility per drafter layer.
-    Calls the drafter's own layers, exactly as :meth:`DFlashDraftModel.__call__` does for one block.
+    Calls the drafter's own layers, exactly as :meth:`DFlashDraftModel.__call__` does for one block;
+    each block is its own batch row, so DFlash2's convolution never reaches across blocks.
     """
     context = draft.project_context(context_feats)
-    x = block_embeds
+    x = block_embeds * draft.config.input_embedding_scale  # DFlash2's scale (1 for v1)
     for layer, mask in zip(draft.layers, masks):
         ctx_keys, ctx_values = layer.self_attn.context_kv(context, 0)
         x = layer(x, ctx_keys[seq_index], ctx_values[seq_index], anchors, mask)
@@ -32,18 +33,47 @@ def draft_hidden(draft, context_feats, seq_index, block_embeds, anchors, masks):
 
 
 
-def block_loss(draft, embed, head_w, batch: Batch, soft_weight: float):
+def selector_loss(selector, hidden: mx.array, unary: mx.array, batch: Batch) -> mx.array:
+    """DFlash2's selector cross-entropy, teacher-forced.
+
+    For each row, the candidates are the strict top-k of the unary logits ``unary (n, bs-1, Vt)``
+    over the training vocabulary (the ids the exported drafter may propose); each scores
+    ``s(b) = U(b) + sum_r A[prev, r] g[r] B[b, r]`` with ``prev`` the gold token before the row
+    (the anchor for row 1) and ``g = P h``; the label is the gold token's index among them. Rows
+    whose gold token is not a candidate add nothing; the sum is normalised by the row weights
+    of the rows that count.
+    """
+    k = min(selector.top_k, unary.shape[-1])
+    cand = mx.argpartition(-mx.stop_gradient(unary), kth=k - 1, axis=-1)[..., :k]
+    scores = mx.take_along_axis(unary, cand, axis=-1)
+    pair = selector.predecessor_codebook(batch.prev_ids) * selector.hidden_projection(hidden)
+    successor = selector.successor_codebook(batch.vocab_ids[cand])  # (n, bs-1, k, r)
+    scores = scores + (successor @ pair[..., None])[..., 0]
+    gold = cand == batch.labels[..., None]
+    w = batch.weights * gold.any(-1)
+    ce = mx.logsumexp(scores, axis=-1) - (scores * gold).sum(-1)
+    return (ce * w).sum() / mx.maximum(w.sum(), 1e-9)
+
+
+def block_loss(draft, embed, head_w, batch: Batch, soft_weight: float,
+               selector_weight: float = 0.0):
     """Weighted loss over all block rows, plus per-row correctness (for accuracy and τ).
 
     ``head_w`` rows are the training vocabulary (label indices point into it); the batch's
     ``neg_w`` rows (sampled negatives from the rest of the full head) only join the softmax.
-    Returns ``(loss, hard_loss, correct, hidden)``; ``hidden`` carries no gradient.
+    A DFlash2 drafter's logits are its selector's unary logits, and ``selector_weight`` adds
+    :func:`selector_loss`. Returns ``(loss, hard_loss, correct, hidden)``; ``hidden`` carries no
+    gradient.
     """
     h = draft_hidden(draft, batch.context, batch.seq_index, embed(batch.tokens), batch.anchors,
                      batch.masks)[:, 1:]
+    n_vocab = head_w.shape[0]
     if batch.neg_w is not None:
         head_w = mx.concatenate([head_w, batch.neg_w], axis=0)
     logits = h @ head_w.T
+    selector = getattr(draft, "candidate_selector", None)
+    if selector is not None:
+        logits = selector.unary(logits)
     logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     valid = batch.labels >= 0
     labels = mx.maximum(batch.labels, 0)
@@ -54,6 +84,8 @@ def block_loss(draft, embed, head_w, batch: Batch, soft_weight: float):
         per_row = (1 - soft_weight) * hard + soft_weight * soft
     w = batch.weights
     loss = (per_row * w).sum() / mx.maximum(w.sum(), 1e-9)
+    if selector is not None and selector_weight > 0:
+        loss = loss + selector_weight * selector_loss(selector, h, logits[..., :n_vocab], batch)
     correct = (mx.argmax(logits, axis=-1) == batch.labels) & valid
     hard_loss = (hard * w).sum() / mx.maximum(w.sum(), 1e-9)
     return loss, hard_loss, correct, mx.stop_gradient(h)

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import TrainConfigError
 
 _REQUIRED = dataclasses.MISSING
+ARCHS = ("dflash", "dflash2")
 
 
 def option(default: Any = _REQUIRED, help: str | None = None, *, flag: str | None = None,
@@ -37,6 +38,24 @@ class TrainOptions:
     data: str = option(help="folder written by `dflash datagen` (or a JSONL); several: A,B",
                        required=True)
     out: str = option(help="output drafter folder (Hugging Face DFlash)")
+    arch: str = option(
+        "dflash", "drafter architecture: dflash (v1: each position's argmax) or dflash2 "
+        "(block-local convolutions and a candidate selector; docs/training.md)",
+        choices=ARCHS)
+    init_from: str | None = option(
+        None, "start from this v1 drafter folder (its weights, taps, mask id, block size and "
+        "draft vocabulary); with --arch dflash2 it is upgraded: identity convolutions and a zero "
+        "successor codebook, so its first proposals are the v1 drafter's")
+    selector_weight: float = option(
+        1.0, "DFlash2: weight of the selector's cross-entropy over its top-k candidates "
+        "(teacher-forced predecessor) added to the DFlash loss; 0 leaves the selector untrained")
+    selector_rank: int = option(256, "DFlash2: low-rank width of the selector's codebooks")
+    selector_top_k: int = option(16, "DFlash2: candidates per position")
+    conv_kernel_size: int = option(2, "DFlash2: convolution taps (<= block size)")
+    conv_group_size: int = option(16, "DFlash2: channels per dynamic coefficient")
+    sliding_window: int | None = option(
+        None, "DFlash2: attention window of every layer (default: 2048 from scratch, the v1 "
+        "drafter's own with --init-from)")
     layers: int = option(1, "drafter layers (default 1)")
     block_size: int = option(16)
     taps: str | None = option(
@@ -124,6 +143,22 @@ class TrainOptions:
             raise TrainConfigError(f"--soft-weight {self.soft_weight}: must be in [0, 1]")
         if self.loss == "kl" and self.soft_topk < 1:
             raise TrainConfigError("--loss kl needs the teacher's top-k (--soft-topk >= 1)")
+        if self.arch not in ARCHS:
+            raise TrainConfigError(f"--arch {self.arch!r}: one of {', '.join(ARCHS)}")
+        if self.init_from and self.init != "none":
+            raise TrainConfigError(f"--init {self.init} and --init-from: choose one (target "
+                                   "layers or a v1 drafter)")
+        if self.selector_weight < 0:
+            raise TrainConfigError(f"--selector-weight {self.selector_weight}: must be >= 0")
+        if self.arch == "dflash2":
+            if not 1 <= self.conv_kernel_size <= self.block_size:
+                raise TrainConfigError(f"--conv-kernel-size {self.conv_kernel_size}: must be in "
+                                       f"1..--block-size ({self.block_size})")
+            for name in ("conv_group_size", "selector_rank", "selector_top_k"):
+                if getattr(self, name) < 1:
+                    raise TrainConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise TrainConfigError(f"--sliding-window {self.sliding_window}: must be >= 2")
         for name in ("time_budget", "max_minutes"):
             value = getattr(self, name)
             if value is not None and value <= 0:

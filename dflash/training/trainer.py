@@ -28,7 +28,7 @@ from mlx.utils import tree_map
 from tqdm import tqdm
 
 from ..console import log
-from ..drafter import DFlashConfig, DFlashDraftModel
+from ..drafter import DFlashConfig
 from ..errors import TrainConfigError, TrainingDataError
 from ..target import load_target as load
 from ..target import target_parts
@@ -39,12 +39,16 @@ from .distributed import init_ranks
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
 from .features import FeatureStore, precompute_features
 from .initialise import (
+    DEFAULT_WINDOW,
     align_context,
+    dflash2_config_dict,
     draft_config_dict,
     export_draft,
     head_matrix,
     init_from_target,
     init_layer_ids,
+    new_draft,
+    read_v1_drafter,
     target_config,
 )
 from .loss import block_loss, block_stats
@@ -94,20 +98,20 @@ class Trainer:
         self.tcfg = target_config(Path(o.target)) if Path(o.target).is_dir() else {}
         samples = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
 
+        v1 = None
         if saved:
             self.cfg_dict = saved["draft_config"]
             vocab_ids = np.asarray(saved["vocab_ids"], dtype=np.int64)
         else:
-            taps = parse_taps(o.taps, self.parts.num_layers)
             seen = seen_ids(samples)
-            mask_id = o.mask_token_id
-            if mask_id is None:
-                mask_id = pick_mask_token(self.tokenizer, self.parts.vocab_size, seen)
-            if not 0 <= mask_id < self.parts.vocab_size:
-                raise TrainConfigError(f"--mask-token-id {mask_id}: outside the target vocabulary")
-            self.cfg_dict = draft_config_dict(self.parts, self.tcfg, o.layers, o.block_size, taps,
-                                              mask_id)
+            if o.init_from:
+                self.cfg_dict, v1 = self._v1_start(seen)
+            else:
+                self.cfg_dict = self._new_config(seen)
             vocab_ids = initial_vocab(o.vocab, seen, self.parts.vocab_size)
+            if o.vocab == "data" and v1 is not None and v1.config.draft_vocab_ids is not None:
+                # keep what the v1 drafter may propose: its first proposals stay its own
+                vocab_ids = np.union1d(vocab_ids, v1.config.draft_vocab_ids).astype(np.int64)
         self.cfg = DFlashConfig.from_dict(self.cfg_dict)
         self.taps = self.cfg.target_layer_ids
         self.gamma = o.gamma or default_gamma(self.cfg.block_size)
@@ -115,8 +119,8 @@ class Trainer:
 
         # Drafter
         mx.random.seed(o.seed)
-        self.draft = DFlashDraftModel(self.cfg)
-        if not saved and o.init != "none":
+        self.draft = new_draft(self.cfg, v1)
+        if not saved and o.init != "none" and v1 is None:
             ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
                                  self.taps)
             init_from_target(self.draft, self.parts, ids)
@@ -156,6 +160,40 @@ class Trainer:
         if o.eval_prompts and o.eval_every:
             self.eval_prompts = load_eval_prompts(o.eval_prompts, self.tokenizer, o.eval_n)
         self._vg = None
+
+    def _new_config(self, seen: set[int]) -> dict:
+        """The config of a drafter trained from scratch (``--arch``, ``--layers``, ...)."""
+        o = self.opts
+        taps = parse_taps(o.taps, self.parts.num_layers)
+        mask_id = o.mask_token_id
+        if mask_id is None:
+            mask_id = pick_mask_token(self.tokenizer, self.parts.vocab_size, seen)
+        if not 0 <= mask_id < self.parts.vocab_size:
+            raise TrainConfigError(f"--mask-token-id {mask_id}: outside the target vocabulary")
+        cfg = draft_config_dict(self.parts, self.tcfg, o.layers, o.block_size, taps, mask_id)
+        if o.arch == "dflash2":
+            cfg = self._as_dflash2(cfg, o.sliding_window or DEFAULT_WINDOW)
+        return cfg
+
+    def _v1_start(self, seen: set[int]) -> tuple[dict, object]:
+        """``--init-from``: the v1 drafter's config (upgraded with ``--arch dflash2``; its
+        window kept unless ``--sliding-window``) and the drafter itself."""
+        o = self.opts
+        cfg, v1 = read_v1_drafter(o.init_from)
+        if cfg.get("vocab_size") != self.parts.vocab_size or \
+                max(v1.config.target_layer_ids) >= self.parts.num_layers:
+            raise TrainConfigError(f"--init-from {o.init_from}: drafter of another target "
+                                   f"(vocab {cfg.get('vocab_size')}, taps "
+                                   f"{v1.config.target_layer_ids})")
+        cfg["dflash_config"].pop("draft_vocab_ids", None)  # the run exports its own
+        if o.arch == "dflash2":
+            cfg = self._as_dflash2(cfg, o.sliding_window or v1.config.sliding_window)
+        return cfg, v1
+
+    def _as_dflash2(self, cfg: dict, window: int | None) -> dict:
+        o = self.opts
+        return dflash2_config_dict(cfg, o.conv_kernel_size, o.conv_group_size, o.selector_rank,
+                                   o.selector_top_k, window)
 
     def _schedule(self, peak: float):
         """Linear warm-up to ``peak``, then cosine decay to ``peak * --min-lr-ratio``."""
@@ -259,7 +297,8 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict:
         if self._vg is None:
             def loss_fn(draft, head_w, batch):
-                return block_loss(draft, self.embed, head_w, batch, self.opts.loss_soft_weight)
+                return block_loss(draft, self.embed, head_w, batch, self.opts.loss_soft_weight,
+                                  self.opts.selector_weight)
 
             self._vg = nn.value_and_grad(self.draft, loss_fn)
         (loss, hard, correct, hidden), grads = self._vg(self.draft, self.vocab.head_w, batch)
@@ -309,6 +348,7 @@ class Trainer:
 
     def export(self, out: Path | None = None) -> Path:
         meta = {"step": self.step, "samples": len(self.samples), "seed": self.opts.seed,
+                "arch": self.opts.arch, "init_from": self.opts.init_from,
                 "soft_weight": self.opts.loss_soft_weight, "loss": self.opts.loss,
                 "optimizer": self.opts.optimizer, "init": self.opts.init, "gamma": self.gamma,
                 "ranks": self.ranks.size}
