@@ -322,15 +322,20 @@ class DFlashDraftModel(nn.Module):
         these: a cut vocabulary never pays for a full-vocabulary row of ``-inf``.
         """
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
-        return self.head_logits(target, self(target.embed(block), cache)[0, 1:])
+        return self.head_scores(target, self(target.embed(block), cache)[0, 1:])
 
-    def head_logits(self, target, hidden: mx.array) -> mx.array:
-        """The target head's logits of draft hidden states; with ``draft_vocab_ids``, ids outside
-        the draft vocabulary get ``-inf`` (they are never proposed)."""
+    def head_scores(self, target, hidden: mx.array) -> tuple[mx.array, mx.array | None]:
+        """``(scores, ids)``: the target head's logits of draft hidden states over the draft
+        vocabulary ``ids`` (``None``: the whole vocabulary)."""
         if self.config.draft_vocab_ids is None:
             return target.head(hidden), None
         ids, rows = self.head_cut(target)
         return hidden @ rows.T, ids
+
+    def head_logits(self, target, hidden: mx.array) -> mx.array:
+        """:meth:`head_scores` as full-vocabulary logits (``-inf`` outside the draft vocabulary:
+        never proposed)."""
+        return full_logits(*self.head_scores(target, hidden), target.vocab_size)
 
     def block_logits(self, target, anchor: int, block_len: int, cache: list[KVCache]) -> mx.array:
         """:meth:`block_scores` as full-vocabulary logits ``(block_len - 1, V)`` (``-inf`` outside
