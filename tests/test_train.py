@@ -8,6 +8,7 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # isort: off
@@ -545,12 +546,43 @@ def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(patte
     assert steps == [1, 2, 6]  # every 10th step and each invocation's last: none twice
 
 
+def test_cpu_budget_counts_cpu_time_and_carries_it_across_resume(pattern, tmp_path):
+    """--cpu-budget stops on the run's CPU time (a shared machine's wall time depends on the other
+    jobs): waiting costs nothing, the CPU of earlier invocations is kept in the checkpoint."""
+    kw = dict(steps=6, checkpoint_every=100)
+    ckpts = tmp_path / "c" / "train"
+    first = Trainer(opts(pattern, tmp_path / "c", cpu_budget=1e6, stop_after=3, **kw))
+    idle = first.cpu_seconds
+    time.sleep(0.5)  # wall time passes, CPU time (nearly) does not
+    assert first.cpu_seconds - idle < 0.25
+    first.run()
+    spent = json.loads((ckpts / "step-0000003" / "state.json").read_text())["cpu_seconds"]
+    assert spent >= idle > 0
+    # resumed with a budget the earlier invocation already used up: one step, then a checkpoint
+    again = Trainer(opts(pattern, tmp_path / "c", cpu_budget=spent, resume=True, **kw))
+    assert again.cpu_before == spent and again.cpu_seconds > spent
+    again.run()
+    assert again.step == 4
+    total = json.loads((ckpts / "step-0000004" / "state.json").read_text())["cpu_seconds"]
+    assert total > spent
+    last = Trainer(opts(pattern, tmp_path / "c", cpu_budget=1e6, resume=True, **kw))
+    last.run()
+    assert last.step == 6
+    records = [json.loads(line) for line in (ckpts / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 4, 6]
+    cpu = [r["cpu_s"] for r in records]
+    assert cpu == sorted(cpu) and cpu[0] > 0
+    with pytest.raises(TrainConfigError, match="--cpu-budget"):
+        TrainOptions(target="t", data="d", out="o", cpu_budget=0).check()
+
+
 def test_recipe_flags_reach_the_options():
     parser = add_train_args(argparse.ArgumentParser())
     args = parser.parse_args(["--data", "d", "--optimizer", "muon", "--muon-lr", "0.01",
-                              "--loss", "kl", "--time-budget", "90"])
+                              "--loss", "kl", "--time-budget", "90", "--cpu-budget", "300"])
     o = TrainOptions(**{**from_args(args), "target": "t", "out": "o"})
-    assert (o.optimizer, o.muon_lr, o.loss, o.time_budget) == ("muon", 0.01, "kl", 90.0)
+    assert (o.optimizer, o.muon_lr, o.loss, o.time_budget, o.cpu_budget) == (
+        "muon", 0.01, "kl", 90.0, 300.0)
     paths = dict(target="t", data="d", out="o")
     assert o.budget_seconds == 90.0 and TrainOptions(**paths, max_minutes=1).budget_seconds == 60
     with pytest.raises(SystemExit):
