@@ -34,7 +34,7 @@ from ..target import load_target as load
 from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
-from .data import DataOrder, Sample, read_samples, seen_ids
+from .data import DataOrder, Sample, open_append, read_samples, seen_ids
 from .distributed import init_ranks
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
 from .features import FeatureStore, precompute_features
@@ -431,7 +431,7 @@ class Trainer:
     def _record(self, record: dict) -> None:
         """Keep a metrics record in the history and append it to ``metrics.jsonl``."""
         self.history.append(record)
-        with (self.ckpt_dir / "metrics.jsonl").open("a") as f:
+        with open_append(self.ckpt_dir / "metrics.jsonl") as f:
             f.write(json.dumps(record) + "\n")
 
 
