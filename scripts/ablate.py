@@ -1,6 +1,6 @@
 """The recipe's levers as ablations at equal CPU time on the same data (issue 11, item 3).
 
-    nohup nice -n 10 python scripts/ablate.py --cpu-budget 180 --workers 2 \
+    nohup nice -n 10 python scripts/ablate.py --cpu-budget 120 --workers 2 \
         > $DFLASH_HOME/ablations/log 2>&1 &
 
 Every run trains from scratch (``--init none``, seed 0: the same first weights for the same
@@ -14,13 +14,15 @@ the acceptance by position.
 
 Resumable: results go to ``$DFLASH_HOME/ablations/results.json`` (a finished run is skipped), runs
 to ``$DFLASH_HOME/ablations/runs/<name>`` (an interrupted training continues with ``--resume``,
-its CPU count kept in the checkpoint). After each run the table ``docs/bench/ablations.md`` is
+its CPU count kept in the checkpoint). Several ``ablate.py`` processes may share the folder as long
+as their ``--only`` runs differ (results are merged under a file lock). After each run the table ``docs/bench/ablations.md`` is
 rewritten with the exact commands. ``--table-only`` rewrites it from the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -146,7 +148,12 @@ class Ablation:
         self.lock = threading.Lock()
 
     def save(self, name: str, result: dict) -> None:
-        with self.lock:
+        """Add one result to the file, merged with what other ``ablate.py`` processes (given
+        other ``--only`` runs) wrote meanwhile, under a file lock."""
+        with self.lock, (self.root / "results.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.results_path.is_file():
+                self.results.update(json.loads(self.results_path.read_text()))
             self.results[name] = result
             tmp = self.results_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.results, indent=1))
@@ -221,6 +228,7 @@ def _fmt(x: float | None, base: float | None = None) -> str:
 def write_table(results: dict, args: argparse.Namespace) -> None:
     """``docs/bench/ablations.md``: one row per finished run, deltas against the baseline."""
     base = results.get("base", {})
+    budget = next((r["cpu_budget"] for r in results.values()), args.cpu_budget)
     lines = [
         "# Ablations of the training recipe at equal CPU time",
         "",
@@ -230,7 +238,7 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
         f"Each run trains a SmolLM2-135M-Instruct drafter **from scratch** (`--init none`, seed 0: "
         f"same first weights per architecture, same data order) on one frozen snapshot of the "
         f"regenerated GSM8K records (`math-all.jsonl`, {base.get('samples', '?')} records with "
-        f"cached features; math only — no chat data was ready) for **{args.cpu_budget:.0f} "
+        f"cached features; math only — no chat data was ready) for **{budget:.0f} "
         f"CPU-seconds** (`--cpu-budget`: the process's CPU time over all threads, startup "
         f"included, so the other jobs on this shared 2-core machine do not decide how far a run "
         f"gets). Learning rate: 20 warm-up steps, then constant (`--min-lr-ratio 1`), because "
@@ -266,8 +274,8 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
             f"{_fmt(_tau(r, 'math', 8), None if run.name == 'base' else b8)} | "
             f"{' / '.join(f'{x:.2f}' for x in acc) or '–'} | {'–' if ms is None else ms} |")
     lines += [
-        "| v1 vs DFlash2 | architecture | measured separately: see [DFlash2]"
-        "(../training.md#dflash2) in docs/training.md | | | | | | | |",
+        "| v1 vs DFlash2 | architecture | measured separately, in the DFlash2 section of "
+        "[training.md](../training.md) | | | | | | | |",
         "",
         "`math τ@8` of `block-8` is the drafter trained at block 8 and served at 8; for the other "
         "rows it is the drafter trained at 16 served at 8 (\"train 16, serve 8\"). `epochs`: "
@@ -294,7 +302,7 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu-budget", type=float, default=150.0, help="CPU-seconds per run")
+    p.add_argument("--cpu-budget", type=float, default=120.0, help="CPU-seconds per run")
     p.add_argument("--workers", type=int, default=2, help="runs at the same time")
     p.add_argument("--eval-n", type=int, default=4, help="held-out math questions")
     p.add_argument("--chat-n", type=int, default=3, help="held-out chat questions (0: none)")
