@@ -229,6 +229,9 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
     """``docs/bench/ablations.md``: one row per finished run, deltas against the baseline."""
     base = results.get("base", {})
     budget = next((r["cpu_budget"] for r in results.values()), args.cpu_budget)
+    snap = Path(args.root) / "data" / "math-all.jsonl"
+    n_records = sum(1 for _ in snap.open()) if snap.is_file() else "?"
+    finished = sum(name in results for name in PRIORITY)
     lines = [
         "# Ablations of the training recipe at equal CPU time",
         "",
@@ -237,8 +240,8 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
         "",
         f"Each run trains a SmolLM2-135M-Instruct drafter **from scratch** (`--init none`, seed 0: "
         f"same first weights per architecture, same data order) on one frozen snapshot of the "
-        f"regenerated GSM8K records (`math-all.jsonl`, {base.get('samples', '?')} records with "
-        f"cached features; math only — no chat data was ready) for **{budget:.0f} "
+        f"regenerated GSM8K records (`math-all.jsonl`, {n_records} records, of which a stable 2 % "
+        f"hash split is held out for validation; math only — no chat data was ready) for **{budget:.0f} "
         f"CPU-seconds** (`--cpu-budget`: the process's CPU time over all threads, startup "
         f"included, so the other jobs on this shared 2-core machine do not decide how far a run "
         f"gets). Learning rate: 20 warm-up steps, then constant (`--min-lr-ratio 1`), because "
@@ -247,11 +250,15 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
         f"questions that no run trains on, and {args.chat_n} chat questions "
         f"(`docs/bench/chat-heldout.jsonl`, a domain none of the runs saw).",
         "",
-        "**Read this as direction, not as the final word.** These runs are short (minutes of CPU, "
-        "a few hundred steps at most) and the held-out sets are small; the `base-seed1` row is "
+        "**Read this as direction, not as the final word.** These runs are short (two CPU-minutes, "
+        "about a hundred steps of 4 sequences) and the held-out sets are small; the `base-seed1` row is "
         "the baseline again with another seed, and its distance from `base` is the noise to "
         "beat. A lever that wins here at minutes may not at hours (more layers, for instance, "
-        "pay off later).",
+        "pay off later). The machine ran at a load of 15-20 on its 2 cores while these ran "
+        "(other jobs, niced runs), so one run's 120 CPU-seconds took ~25 minutes of wall time; "
+        "CPU time under such contention also carries some noise (cache and memory traffic).",
+        "",
+        f"Finished: {finished} of {len(PRIORITY)} runs (the script continues where it stopped).",
         "",
         "| run | lever | change | steps | epochs | math τ@16 | chat τ@16 | math τ@8 | "
         "math acceptance @16, positions 1-4 | draft ms/cycle @16 |",
