@@ -260,15 +260,16 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
         "",
         f"Finished: {finished} of {len(PRIORITY)} runs (the script continues where it stopped).",
         "",
-        "| run | lever | change | steps | epochs | math τ@16 | chat τ@16 | math τ@8 | "
+        "| run | lever | change | steps | epochs | train acc1 | math τ@16 | chat τ@16 | math τ@8 | "
         "math acceptance @16, positions 1-4 | draft ms/cycle @16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     b16, bc16, b8 = _tau(base, "math", 16), _tau(base, "chat", 16), _tau(base, "math", 8)
     for run in GRID:
         r = results.get(run.name)
         if r is None:
-            lines.append(f"| {run.name} | {run.lever} | {run.label} | (not run yet) |||||||")
+            lines.append(f"| {run.name} | {run.lever} | {run.label} | (not run yet) "
+                         + "| " * 7 + "|")
             continue
         rel = None if run.name == "base" else b16
         acc = r.get("eval", {}).get("math", {}).get("16", {}).get("acceptance", [])[:4]
@@ -276,17 +277,20 @@ def write_table(results: dict, args: argparse.Namespace) -> None:
         epochs = (r["step"] * BASE["batch-seqs"] / r["samples"]) if r.get("samples") else None
         lines.append(
             f"| {run.name} | {run.lever} | {run.label} | {r['step']} | "
-            f"{'–' if epochs is None else f'{epochs:.1f}'} | {_fmt(_tau(r, 'math', 16), rel)} | "
+            f"{'–' if epochs is None else f'{epochs:.1f}'} | {r['train'].get('acc1') or 0:.3f} | "
+            f"{_fmt(_tau(r, 'math', 16), rel)} | "
             f"{_fmt(_tau(r, 'chat', 16), None if run.name == 'base' else bc16)} | "
             f"{_fmt(_tau(r, 'math', 8), None if run.name == 'base' else b8)} | "
             f"{' / '.join(f'{x:.2f}' for x in acc) or '–'} | {'–' if ms is None else ms} |")
     lines += [
         "| v1 vs DFlash2 | architecture | measured separately, in the DFlash2 section of "
-        "[training.md](../training.md) | | | | | | | |",
+        "[training.md](../training.md) " + "| " * 8 + "|",
         "",
         "`math τ@8` of `block-8` is the drafter trained at block 8 and served at 8; for the other "
         "rows it is the drafter trained at 16 served at 8 (\"train 16, serve 8\"). `epochs`: "
-        "sequences seen / records in the run's data (`half-twice` reads half of them). `draft "
+        "sequences seen / records in the run's data (`half-twice` reads half of them). `train "
+        "acc1`: the running mean (EMA) of the first drafted token's accuracy on the last training "
+        "blocks, a second, less noisy but in-sample signal. `draft "
         "ms/cycle` is wall time on a loaded machine: compare only within a run's neighbours.",
         "",
         "## Commands",
