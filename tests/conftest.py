@@ -8,6 +8,9 @@ greedy-exactness run per target family) while changing code; plain `pytest` / `s
 # isort: off
 import dflash  # noqa: F401  (routes OpenBLAS before anything imports mlx)
 # isort: on
+import errno
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,3 +94,43 @@ def reference(loaded_pair):
         return r.text, r.tokens, n_prompt
 
     return ref
+
+
+class SmallDisk:
+    """A real, small file system (tmpfs) that a test fills to the last byte, as a disk fills up
+    under a running job: from then on every write that needs space fails with ENOSPC."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.filler = path / "filler"
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            for chunk in (1 << 20, 1 << 12, 1):  # big chunks, then the last page, then bytes
+                while True:
+                    try:
+                        os.write(fd, b"\0" * chunk)
+                    except OSError as e:
+                        assert e.errno == errno.ENOSPC, e
+                        break
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs mounted for the test (needs the right to mount: root; skipped without)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield SmallDisk(disk)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -116,6 +116,52 @@ def test_datagen_killed_midway_resumes_without_duplicates(target, tmp_path):
 
 
 @pytest.mark.slow
+def test_datagen_on_a_disk_that_fills_keeps_records_whole_and_resumes(target, tmp_path, small_disk):
+    """The disk fills while datagen runs: it stops with the OS error, no record is corrupt or
+    without its features, and once there is space again a rerun finishes every prompt once."""
+    import numpy as np
+
+    from dflash.training.data import Sample
+    from dflash.training.features import FeatureStore
+
+    prompts = tmp_path / "p.jsonl"
+    with prompts.open("w") as f:
+        for i in range(24):
+            f.write(json.dumps({"id": f"q{i:02d}", "question": QUESTIONS[i % 6] + " " * i}) + "\n")
+    out = small_disk.path / "data"
+    cmd = [sys.executable, "-m", "dflash", "datagen", "--target", str(target), "--prompts",
+           str(prompts), "--out", str(out), "--max-tokens", "40", "--batch-size", "1",
+           "--taps", "0,1", "--topk", "4", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(Path(dflash.__file__).parent.parent))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not any(r for r in records(out)):
+        time.sleep(0.02)
+    small_disk.fill()
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode != 0, "datagen finished before the disk filled"
+    assert "No space left on device" in err and "Traceback" not in err
+    written = {r["id"] for r in records(out) if r}
+    assert 1 <= len(written) < 24
+
+    small_disk.free()
+    datagen(str(target), prompts, out, max_tokens=40, batch_size=1, taps="0,1", topk=4,
+            progress=False)
+    rows = records(out)
+    good = [r for r in rows if r is not None]
+    assert sorted(r["id"] for r in good) == [f"q{i:02d}" for i in range(24)]  # each once
+    assert len(rows) - len(good) <= 1  # at most the line the full disk cut short
+    store = FeatureStore(None, [0, 1], 4, out / "features" / FeatureStore.signature([0, 1], 4))
+    for r in good:  # every record's features read back whole (no silent recompute here)
+        ids = np.asarray(r["prompt_ids"] + r["response_ids"], np.int32)
+        with np.load(store.path(Sample(r["id"], ids, len(r["prompt_ids"])))) as z:
+            assert z["feats"].shape[0] >= len(ids) - 1
+            assert z["top_ids"].shape == (z["feats"].shape[0], 4)
+    assert not list(out.rglob("*.tmp*"))  # no half-written temporary left behind
+
+
+@pytest.mark.slow
 def test_cli_entry(target, tmp_path):
     parser = add_datagen_args(argparse.ArgumentParser())
     args = parser.parse_args(["--target", str(target), "--prompts",

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # isort: off
@@ -545,12 +547,89 @@ def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(patte
     assert steps == [1, 2, 6]  # every 10th step and each invocation's last: none twice
 
 
+def test_cpu_budget_counts_cpu_time_and_carries_it_across_resume(pattern, tmp_path):
+    """--cpu-budget stops on the run's CPU time (a shared machine's wall time depends on the other
+    jobs): waiting costs nothing, the CPU of earlier invocations is kept in the checkpoint."""
+    kw = dict(steps=6, checkpoint_every=100)
+    ckpts = tmp_path / "c" / "train"
+    first = Trainer(opts(pattern, tmp_path / "c", cpu_budget=1e6, stop_after=3, **kw))
+    idle = first.cpu_seconds
+    time.sleep(0.5)  # wall time passes, CPU time (nearly) does not
+    assert first.cpu_seconds - idle < 0.25
+    first.run()
+    spent = json.loads((ckpts / "step-0000003" / "state.json").read_text())["cpu_seconds"]
+    assert spent >= idle > 0
+    # resumed with a budget the earlier invocation already used up: one step, then a checkpoint
+    again = Trainer(opts(pattern, tmp_path / "c", cpu_budget=spent, resume=True, **kw))
+    assert again.cpu_before == spent and again.cpu_seconds > spent
+    again.run()
+    assert again.step == 4
+    total = json.loads((ckpts / "step-0000004" / "state.json").read_text())["cpu_seconds"]
+    assert total > spent
+    last = Trainer(opts(pattern, tmp_path / "c", cpu_budget=1e6, resume=True, **kw))
+    last.run()
+    assert last.step == 6
+    records = [json.loads(line) for line in (ckpts / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 4, 6]
+    cpu = [r["cpu_s"] for r in records]
+    assert cpu == sorted(cpu) and cpu[0] > 0
+    with pytest.raises(TrainConfigError, match="--cpu-budget"):
+        TrainOptions(target="t", data="d", out="o", cpu_budget=0).check()
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_while_training_loses_no_checkpoint_and_resume_continues(
+        pattern, tmp_path, small_disk):
+    """The disk fills under a running `dflash train`: it stops with the OS error; what it wrote
+    before (checkpoints, export, metrics) stays whole, and once there is space again --resume
+    ends with the weights of a run that never stopped."""
+    kw = dict(steps=150, checkpoint_every=2, feature_cache="none")
+    straight = Trainer(opts(pattern, tmp_path / "a", **kw))
+    straight.run()
+    out = small_disk.path / "run"
+    o = opts(pattern, out, **kw)
+    cmd = [sys.executable, "-m", "dflash", "train", "--target", o.target, "--data", o.data,
+           "--out", str(out), "--layers", "1", "--block-size", "8", "--taps", "0,2", "--steps",
+           "150", "--batch-seqs", "4", "--anchors", "16", "--lr", "0.003", "--checkpoint-every",
+           "2", "--val-percent", "0", "--soft-weight", "0", "--feature-cache", "none",
+           "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(Path(dflash.__file__).parent.parent))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    ckpts = out / "train"
+    deadline = time.time() + 300
+    while (time.time() < deadline and proc.poll() is None
+           and not (ckpts / "step-0000004" / "state.json").is_file()):
+        time.sleep(0.01)
+    small_disk.fill()
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 1, "training finished before the disk filled"
+    assert "No space left on device" in err or "bytes free" in err, err[-2000:]
+    assert "Traceback" not in err  # one line that says what happened
+    saved = [int(p.name.split("-")[1]) for p in ckpts.glob("step-*")]
+    assert saved and max(saved) < 150
+    for p in ckpts.glob("step-*"):  # every checkpoint the failed run left is whole
+        json.loads((p / "state.json").read_text())
+        mx.load(str(p / "draft.safetensors"))
+        mx.load(str(p / "optimizer.safetensors"))
+    assert load_draft(out).block_size == 8  # so is the exported drafter
+    small_disk.free()
+    resumed = Trainer(opts(pattern, out, resume=True, **kw))
+    assert resumed.step == max(saved)
+    resumed.run()
+    assert resumed.step == 150
+    assert_same_weights(straight.draft, resumed.draft)
+    for line in (ckpts / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # a record the full disk cut short was ended before the next one
+
+
 def test_recipe_flags_reach_the_options():
     parser = add_train_args(argparse.ArgumentParser())
     args = parser.parse_args(["--data", "d", "--optimizer", "muon", "--muon-lr", "0.01",
-                              "--loss", "kl", "--time-budget", "90"])
+                              "--loss", "kl", "--time-budget", "90", "--cpu-budget", "300"])
     o = TrainOptions(**{**from_args(args), "target": "t", "out": "o"})
-    assert (o.optimizer, o.muon_lr, o.loss, o.time_budget) == ("muon", 0.01, "kl", 90.0)
+    assert (o.optimizer, o.muon_lr, o.loss, o.time_budget, o.cpu_budget) == (
+        "muon", 0.01, "kl", 90.0, 300.0)
     paths = dict(target="t", data="d", out="o")
     assert o.budget_seconds == 90.0 and TrainOptions(**paths, max_minutes=1).budget_seconds == 60
     with pytest.raises(SystemExit):

@@ -7,6 +7,7 @@ temporary folder and renamed, so a run killed mid-write leaves the previous chec
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -71,17 +72,33 @@ def read_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
+def write_safetensors(path: Path, arrays: dict, metadata: dict | None = None) -> None:
+    """``mx.save_safetensors``, a failed write raised as the ``OSError`` it is (MLX raises a bare
+    ``RuntimeError``): ENOSPC when the disk has less room than the tensors, naming the file."""
+    try:
+        if metadata is None:
+            mx.save_safetensors(str(path), arrays)
+        else:
+            mx.save_safetensors(str(path), arrays, metadata=metadata)
+    except RuntimeError as e:
+        free = shutil.disk_usage(path.parent).free
+        if free < sum(a.nbytes for a in arrays.values()):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free)",
+                          str(path)) from e
+        raise OSError(errno.EIO, str(e), str(path)) from e
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, draft, optimizer, state: dict, keep: int) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(ckpt_dir, step)
+    for stale in ckpt_dir.glob(".tmp-step-*"):  # left by a write that failed (a full disk)
+        shutil.rmtree(stale)
     tmp = ckpt_dir / f".tmp-step-{step:07d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
-    mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(draft.parameters())))
+    write_safetensors(tmp / "draft.safetensors", dict(tree_flatten(draft.parameters())))
     opt_state = {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+    write_safetensors(tmp / "optimizer.safetensors", opt_state)
     (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT_NOTE, **state}))
     if final.exists():
         shutil.rmtree(final)

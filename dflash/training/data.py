@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,19 @@ def read_records(path: Path) -> Iterator[tuple[int, object]]:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError:
                 yield lineno, None
+
+
+def open_append(path: Path):
+    """A JSONL file opened for appending, after ending a line that an interrupted run (killed,
+    or stopped by a full disk) left unfinished: the cut line stays unreadable on its own instead
+    of swallowing the next record."""
+    f = Path(path).open("a+b")
+    if f.tell() > 0:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+    f.close()
+    return Path(path).open("a")
 
 
 def load_samples(data: str | Path) -> list[dict]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from ..target import load_target as load
 from ..target import target_parts
 from ..workers import run_per_core
 from .capture import RolloutEngine
-from .data import Sample, read_records
+from .data import Sample, open_append, read_records
 from .dataset import FORMAT, check_manifest, save_features, target_fingerprint
 from .distributed import init_ranks
 from .features import FeatureStore
@@ -55,17 +54,6 @@ def done_ids(out: Path) -> set[str]:
             if isinstance(rec, dict) and "id" in rec and "response_ids" in rec:
                 done.add(str(rec["id"]))
     return done
-
-
-def _open_append(path: Path):
-    """Append mode that first ends a line an interrupted run left unfinished."""
-    f = path.open("a+b")
-    if f.tell() > 0:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":
-            f.write(b"\n")
-    f.close()
-    return path.open("a")
 
 
 def _worker(target: str, items: list[dict], out: Path, shard: str, max_tokens: int,
@@ -84,7 +72,7 @@ def _worker(target: str, items: list[dict], out: Path, shard: str, max_tokens: i
              if taps else None)
     bar = tqdm(total=len(items), desc=f"datagen[{shard}]", unit="seq", disable=not progress,
                mininterval=5.0)
-    with _open_append(out / f"gen-{shard}.jsonl") as f:
+    with open_append(out / f"gen-{shard}.jsonl") as f:
         for r in engine.run(prompts.items()):
             if store is not None:  # features first: a record line always has its features
                 ids = np.asarray(r.prompt_ids + r.response_ids, np.int32)

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from ..drafter import V1, V2, DFlash2DraftModel, DFlashDraftModel, load_draft, published_names
 from ..errors import DraftCheckpointError, TrainConfigError
+from .checkpoints import write_safetensors
 
 DEFAULT_WINDOW = 2048  # the released DFlash2 drafters' window (all layers sliding)
 
@@ -229,7 +230,8 @@ def head_matrix(parts):
 def export_draft(draft, cfg_dict: dict, out: Path, extra: dict | None = None) -> Path:
     """Write ``config.json`` + bf16 ``model.safetensors`` (Hugging Face DFlash layout).
 
-    The weights go through a temporary folder and ``os.replace``: a reader never sees half a file.
+    Both files are written whole to a temporary folder first and then moved in with
+    ``os.replace``: a reader (or a run stopped by a full disk) never sees half a file.
     ``extra`` (the training run's summary) is recorded as ``dflash_training`` in the config.
     """
     out = Path(out)
@@ -238,12 +240,13 @@ def export_draft(draft, cfg_dict: dict, out: Path, extra: dict | None = None) ->
                for k, v in published_names(dict(tree_flatten(draft.parameters()))).items()}
     tmp_dir = out.parent / f".{out.name}.export-tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(tmp_dir / "model.safetensors"), weights, metadata={"format": "pt"})
-    os.replace(tmp_dir / "model.safetensors", out / "model.safetensors")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     cfg = dict(cfg_dict)
     if extra:
         cfg["dflash_training"] = extra
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_safetensors(tmp_dir / "model.safetensors", weights, metadata={"format": "pt"})
+    (tmp_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp_dir / "model.safetensors", out / "model.safetensors")
+    os.replace(tmp_dir / "config.json", out / "config.json")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
     return out
 

@@ -124,6 +124,10 @@ class TrainOptions:
     time_budget: float | None = option(
         None, "stop cleanly after SECONDS of wall time: checkpoint, export, exit 0 (continue "
         "with --resume)")
+    cpu_budget: float | None = option(
+        None, "stop cleanly after SECONDS of the run's CPU time (all threads, startup included, "
+        "summed over --resume invocations): checkpoint, export, exit 0; fair budgets on a shared "
+        "machine, where wall time depends on the other jobs")
     stop_after: int | None = option(
         None, "stop (with a checkpoint) after this many steps of this invocation")
     resume: bool = option(False, "continue from the last checkpoint")
@@ -159,7 +163,7 @@ class TrainOptions:
                     raise TrainConfigError(f"--{name.replace('_', '-')}: must be >= 1")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise TrainConfigError(f"--sliding-window {self.sliding_window}: must be >= 2")
-        for name in ("time_budget", "max_minutes"):
+        for name in ("time_budget", "max_minutes", "cpu_budget"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise TrainConfigError(f"--{name.replace('_', '-')} {value}: must be > 0")

@@ -34,7 +34,7 @@ from ..target import load_target as load
 from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
-from .data import DataOrder, Sample, read_samples, seen_ids
+from .data import DataOrder, Sample, open_append, read_samples, seen_ids
 from .distributed import init_ranks
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
 from .features import FeatureStore, precompute_features
@@ -74,6 +74,10 @@ class Trainer:
     def __init__(self, opts: TrainOptions):
         self.opts = o = opts
         o.check()
+        # CPU time of this invocation counts from here (target load and data reading included);
+        # earlier invocations' CPU comes from the checkpoint (``cpu_seconds``)
+        self._cpu_start = time.process_time()
+        self.cpu_before = 0.0
         self.out = Path(o.out)
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
         self.ranks = init_ranks()
@@ -335,7 +339,14 @@ class Trainer:
             "step": self.step, **self.data.state(), "vocab_ids": self.vocab.ids.tolist(),
             "draft_config": self.cfg_dict, "options": asdict(self.opts),
             "history": self.history[-200:], "ema": self.ema, "data_samples": len(self.samples),
+            "cpu_seconds": round(self.cpu_seconds, 3),
         }
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time of the run so far (``time.process_time()``: all threads of this process), over
+        all its invocations: what ``--cpu-budget`` limits."""
+        return self.cpu_before + time.process_time() - self._cpu_start
 
     def save_checkpoint(self) -> Path | None:
         """Checkpoint and export (rank 0; the other ranks hold the same weights)."""
@@ -374,6 +385,7 @@ class Trainer:
         self.data.restore(saved)
         self.history = saved.get("history", [])
         self.ema = saved.get("ema")
+        self.cpu_before = float(saved.get("cpu_seconds", 0.0))
         log(f"train: resumed from {self.resume_from} (step {self.step}, epoch {self.epoch}, "
             f"sample {self.cursor}/{len(self.order)})")
 
@@ -420,11 +432,14 @@ class Trainer:
             bar.update(1)
             last = self.step >= end_step
             # all ranks stop at the same step, or the others would wait for it forever
-            out_of_time = self.ranks.any(budget is not None and time.time() - t_start > budget)
+            out_of_time = self.ranks.any(
+                (budget is not None and time.time() - t_start > budget)
+                or (o.cpu_budget is not None and self.cpu_seconds > o.cpu_budget))
             record = None
             if self.step % 10 == 0 or last or out_of_time:
                 record = {"step": self.step, "epoch": self.epoch, "lr": lr,
                           "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
+                          "cpu_s": round(self.cpu_seconds, 1),
                           **{k: round(v, 4) for k, v in self.ema.items()},
                           "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids)}
             if o.eval_every and main and (self.step % o.eval_every == 0 or last):
@@ -436,8 +451,8 @@ class Trainer:
                 self.save_checkpoint()
             if out_of_time:
                 if main:
-                    _status(f"train: time budget reached at step {self.step}; "
-                            "resume with --resume")
+                    _status(f"train: time budget reached at step {self.step} "
+                            f"({self.cpu_seconds:.0f} CPU-s); resume with --resume")
                 break
         bar.close()
         if self.step >= o.steps and main:
@@ -456,7 +471,7 @@ class Trainer:
     def _record(self, record: dict) -> None:
         """Keep a metrics record in the history and append it to ``metrics.jsonl``."""
         self.history.append(record)
-        with (self.ckpt_dir / "metrics.jsonl").open("a") as f:
+        with open_append(self.ckpt_dir / "metrics.jsonl") as f:
             f.write(json.dumps(record) + "\n")
 
 
