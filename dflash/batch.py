@@ -12,11 +12,12 @@ Design:
   own length, the mask hides the rest, RoPE reads one offset per row, and roll-back is setting a
   row's length. No copy per cycle (mlx-lm's left-padded ``BatchKVCache`` would need each row
   re-aligned after a partial acceptance), and mlx-lm's own attention modules run unchanged.
-* **One step** (:meth:`BatchGenerator.step`): cancelled sequences leave; at most one prefill
-  chunk (``prefill_chunk`` tokens) of the sequence at the head of the queue runs alone through
-  ordinary caches (exactly the single-sequence prefill), so a long prompt costs the others one
-  chunk per step; when its prompt is done its caches join the batch as new rows; then one decode
-  cycle for every joined sequence; finished sequences leave.
+* **One step** (:meth:`BatchGenerator.step`): cancelled sequences leave; at most
+  ``prefill_chunk`` prompt tokens are prefilled, from the head of the queue (each prompt alone
+  through ordinary caches: exactly the single-sequence prefill; short prompts arriving together
+  share one step's budget), so a long prompt costs the others one chunk per step; a prompt whose
+  prefill is done joins the batch (its caches become new rows); then one decode cycle for every
+  joined sequence; finished sequences leave.
 * **Verify width across the batch.** A ``(B, n)`` pass costs ``B * n`` rows however they are
   shared, so every sequence verifies up to ``n - 1`` proposals (fewer near its ``max_tokens``)
   and the policy chooses ``n``: :func:`~dflash.verify_policy.batch_width` maximises expected
@@ -220,13 +221,16 @@ class BatchGenerator:
         if self.fallback is not None:
             self._step_one_at_a_time(events)
             return events
-        if self.prefilling is None and self.queue and len(self.rows) < self.max_batch:
-            self.prefilling = self.queue.popleft()
-            self.prefilling.cache = make_cache(self.parts)
-            self.prefilling.dcache = self.draft.make_cache()
-            self.prefilling.tic = time.perf_counter()
-        if self.prefilling is not None:
-            self._prefill_step(events)
+        budget = self.prefill_chunk  # prompt tokens this step may prefill
+        while budget > 0:
+            if self.prefilling is None and self.queue and len(self.rows) < self.max_batch:
+                self.prefilling = self.queue.popleft()
+                self.prefilling.cache = make_cache(self.parts)
+                self.prefilling.dcache = self.draft.make_cache()
+                self.prefilling.tic = time.perf_counter()
+            if self.prefilling is None:
+                break
+            budget -= self._prefill_step(events, budget)
         if self.rows:
             self._cycle(events)
         return events
@@ -263,18 +267,25 @@ class BatchGenerator:
             for c in self.cache + self.dcache:
                 c.keep(rows)
 
-    def _prefill_step(self, events: list[BatchEvent]) -> None:
-        """One chunk of the prefilling sequence; at its end, its first token and its join."""
+    def _prefill_step(self, events: list[BatchEvent], budget: int) -> int:
+        """Up to ``budget`` prompt tokens of the prefilling sequence (alone, through its own
+        caches); at the prompt's end, its first token and its join. The tokens fed."""
         seq = self.prefilling
         ids, begin = seq.request.prompt_ids, seq.prefilled
-        last = prefill_chunk(self.parts, self.draft, ids[begin:begin + self.prefill_chunk],
-                             seq.cache, seq.dcache)
-        seq.prefilled = min(begin + self.prefill_chunk, len(ids))
+        chunk = ids[begin:begin + budget]
+        last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache)
+        seq.prefilled = begin + len(chunk)
         if seq.request.progress:
             seq.request.progress(seq.prefilled, len(ids))
         if seq.prefilled < len(ids):
-            return
+            return len(chunk)
         self.prefilling = None
+        self._joined(seq, last, events)
+        return len(chunk)
+
+    def _joined(self, seq: _Sequence, last: mx.array, events: list[BatchEvent]) -> None:
+        """A prompt is prefilled: its first token, then its caches join the batch as a row."""
+        ids = seq.request.prompt_ids
         if seq.request.max_tokens == 0:
             self._event(seq, _snapshot(seq.stats, "", [], "length"), events)
             return
