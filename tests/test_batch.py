@@ -236,3 +236,47 @@ def test_sampled_batch_keeps_the_target_distribution(tmp_path):
     stat, df, p = st.chi_square(np.array([tokens[u] for u in uids]), joint)
     print(f"shared random streams: chi2={stat:.1f} df={df} p={p:.3g}")
     assert p < st.ALPHA
+
+
+# ---------------------------------------------------------------------------------------------
+# The verify width across the batch, and the concurrency benchmark
+
+
+def cpu_like_costs():
+    """A cost model shaped like this project's CPU measurement (flat to ~16 rows, then linear)."""
+    from dflash.cost_model import CostModel
+
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    verify = [10.0, 11.4, 12.5, 14.0, 17.0, 25.0, 45.0, 90.0, 180.0]
+    return CostModel(key="t", machine={}, rows=rows, contexts=[128], verify_ms=[verify],
+                     draft_rows=[2, 4, 8, 16], draft_ms=[1.5, 1.8, 2.3, 3.4])
+
+
+def test_batch_width_turns_into_plain_decoding_as_the_batch_grows():
+    from dflash.verify_policy import batch_width
+
+    cost = cpu_like_costs()
+    good = np.full(7, 0.7)  # a drafter right 70 % of the time at every row
+    widths = [batch_width([good] * b, cost, 128, cost.draft(4 * b))[0] for b in (1, 2, 4, 8, 32)]
+    assert widths[0] > 2 and widths[-1] == 1
+    assert widths == sorted(widths, reverse=True)  # never wider for a larger batch
+    # A drafter that is never right: plain steps even alone.
+    assert batch_width([np.full(7, 0.01)], cost, 128, cost.draft(8))[0] == 1
+
+
+def test_concurrency_bench_reports_both_engines(loaded_pair, tiny_pair):
+    from dflash.bench import format_concurrency, run_concurrency_bench
+    from dflash.pair import Pair
+
+    model, tokenizer, draft = loaded_pair("llama")
+    target_path, draft_path = tiny_pair("llama")
+    pair = Pair(model, tokenizer, draft, str(target_path), str(draft_path))
+    prompts = [{"id": f"p{i}", "prompt": text} for i, text in
+               enumerate(["Tell me about the sea.", "Count to five.", "Name a colour."])]
+    result = run_concurrency_bench(pair=pair, prompts=prompts, concurrency=2, max_tokens=12,
+                                   warmup=False)
+    assert result["identical"] is True  # greedy: mlx-lm's batching and ours agree (float32)
+    assert [len(t) for t in result["dflash"]["tokens"]] == [12, 12, 12]
+    assert result["dflash"]["generated"] == result["mlx_lm"]["generated"] == 36
+    assert result["ratio"] > 0 and result["dflash"]["ttft_p95"] >= result["dflash"]["ttft_p50"]
+    assert "mlx-lm batching" in format_concurrency(result)
