@@ -35,7 +35,7 @@ def alone(model, prompt, n) -> list[int]:
 def run_engine(engine: BatchGenerator, prompts, max_tokens, **settings):
     """Insert every prompt, step to the end; tokens, finish reasons and last stats by uid."""
     uids = [engine.insert(p, max_tokens=m, **settings) for p, m in zip(prompts, max_tokens)]
-    tokens = {u: [] for u in uids}
+    tokens = {u: [] for u in range(engine.next_uid)}  # earlier insertions too
     finish, stats = {}, {}
     while engine.active or engine.pending:
         for e in engine.step():
@@ -86,10 +86,17 @@ def test_greedy_equals_each_request_alone(kind, policy, loaded_pair):
     prompts = prompts_for(tokenizer)
     engine = BatchGenerator(model, draft, tokenizer, max_batch=3, prefill_chunk=16,
                             block_size=6, policy=policy)
-    tokens, finish, stats = run_engine(engine, prompts, MAX_TOKENS)
+    # A sampled neighbour with penalties shares the passes; its settings stay its own.
+    sampled = engine.insert(prompts[0], max_tokens=20, temperature=1.0, top_k=50, seed=7,
+                            repetition_penalty=1.3)
+    progress = []
+    tokens, finish, stats = run_engine(engine, prompts, MAX_TOKENS,
+                                       prompt_progress_callback=lambda d, t: progress.append(d))
     for p, m, out, why, st in zip(prompts, MAX_TOKENS, tokens, finish, stats):
         assert out == alone(model, p, m)
         assert why == "length" and st.generation_tokens == m and st.prompt_tokens == len(p)
+    assert len(tokens) == len(prompts) and max(progress) == max(PROMPT_LENGTHS)
+    assert sampled == 0
 
 
 @pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
