@@ -32,8 +32,11 @@ Design:
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output
   keeps its distribution.
 
-Targets with recurrent layers (Qwen3.5's GatedDeltaNet) or sliding windows, and DFlash2 drafters,
-are not batched: the engine says so once and decodes its sequences one at a time through the
+Hybrid targets (Qwen3.5) batch too: their GatedDeltaNet layers keep a
+:class:`~dflash.ragged_cache.RaggedArraysCache` (conv window and recurrent state per row), and
+roll-back replays each row's accepted steps from the pass's start state with the other steps
+masked (:func:`~dflash.target.rollback_rows`). Targets with sliding windows and DFlash2 drafters
+are not batched: the engine says so once and decodes their sequences one at a time through the
 single-sequence engine (each step advances each of them by one cycle).
 """
 
@@ -47,12 +50,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .console import log
 from .cost_model import cost_model
 from .errors import GenerationConfigError
-from .ragged_cache import RaggedKVCache
+from .ragged_cache import RaggedArraysCache, RaggedKVCache
 from .sampling import _is_int, check_decode_settings
 from .speculative import (
     DecodeRequest,
@@ -69,7 +72,14 @@ from .speculative import (
     prefill_chunk,
     run_request,
 )
-from .target import check_compatible, forward, make_cache, target_parts
+from .target import (
+    VerifyTrace,
+    check_compatible,
+    forward,
+    make_cache,
+    rollback_rows,
+    target_parts,
+)
 from .verify_policy import (
     MARGIN,
     MAX_BACKOFF,
@@ -126,9 +136,9 @@ def fallback_reason(parts, draft) -> str | None:
     if any(t != "full_attention" for t in draft.layer_types()):
         return "drafters with sliding-window layers are not batched"
     for i, c in enumerate(make_cache(parts)):
-        if type(c) is not KVCache:
-            return (f"target layer {i} keeps a {type(c).__name__} (recurrent or sliding-window "
-                    "layers are not batched)")
+        if type(c) not in (KVCache, ArraysCache):
+            return (f"target layer {i} keeps a {type(c).__name__} (sliding-window layers are "
+                    "not batched)")
     return None
 
 
@@ -162,7 +172,8 @@ class BatchGenerator:
         self.queue: deque[_Sequence] = deque()
         self.prefilling: _Sequence | None = None
         self.rows: list[_Sequence] = []  # decoding; row i of the batch caches
-        self.cache = [RaggedKVCache() for _ in self.parts.layers]
+        self.cache = [RaggedKVCache() if type(c) is KVCache else RaggedArraysCache()
+                      for c in make_cache(self.parts)]
         self.dcache = [RaggedKVCache() for _ in draft.layers]
         self.widths: deque[int] = deque(maxlen=8)  # verify widths of recent speculative passes
         self.backoff = self.losses = 0
@@ -298,7 +309,10 @@ class BatchGenerator:
         if response.finish_reason is not None:
             return
         for ragged, c in zip(self.cache + self.dcache, seq.cache + seq.dcache):
-            ragged.add(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+            if isinstance(c, ArraysCache):
+                ragged.add(c[0], c[1])
+            else:
+                ragged.add(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
         seq.cache = seq.dcache = None
         self.rows.append(seq)
 
@@ -359,7 +373,7 @@ class BatchGenerator:
         t0 = time.perf_counter()
         rows = self.rows
         anchors = [s.state.history[-1] for s in rows]
-        context = max(self.cache[0].lengths)
+        context = max(len(s.state.fed) for s in rows)  # tokens in the longest row's cache
         cap = min(self.block_size, max(s.remaining for s in rows))
         width, drafted_rows, log_conf, draft_logits = 1, 0, [None] * len(rows), None
         if self._want_draft(context, cap):
@@ -392,10 +406,10 @@ class BatchGenerator:
             qs.append(q)
         drafted = time.perf_counter()
         tokens = [[a] + p + [a] * (width - 1 - len(p)) for a, p in zip(anchors, proposals)]
-        before = self.cache[0].lengths
+        trace = VerifyTrace()
         logits, taps = forward(self.parts, mx.array(tokens), self.cache,
-                               self.draft.target_layer_ids)
-        steps, lengths = [], []
+                               self.draft.target_layer_ids, trace)
+        steps, keep = [], []
         for i, s in enumerate(rows):
             props = proposals[i]
             a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
@@ -407,9 +421,8 @@ class BatchGenerator:
             else:
                 s.state.policy.record(None, None, 0, None, 0)
             steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props))
-            lengths.append(before[i] + a + 1)
-        for c in self.cache:
-            c.set_lengths(lengths)
+            keep.append(a + 1)
+        rollback_rows(self.cache, trace, keep, width)
         mx.async_eval([c.state for c in self.cache])
         if width > 1:
             self.widths.append(width)

@@ -114,3 +114,37 @@ class RaggedKVCache:
         self.keys = self.keys[index, :, :capacity]
         self.values = self.values[index, :, :capacity]
         self.set_lengths(lengths)
+
+
+class RaggedArraysCache:
+    """A GatedDeltaNet layer's state for several sequences: the conv window ``(B, K-1, D)`` and
+    the recurrent state ``(B, H, Dv, Dk)``, indexed like mlx-lm's ``ArraysCache`` (``[0]``,
+    ``[1]``). Roll-back replays each row's accepted steps (:func:`dflash.target.rollback_rows`)."""
+
+    def __init__(self):
+        self.cache: list[mx.array | None] = [None, None]
+
+    def __getitem__(self, i: int) -> mx.array | None:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.cache[i] = value
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in self.cache if a is not None]
+
+    def add(self, conv: mx.array, recurrent: mx.array) -> None:
+        """A new row from one sequence's ``(1, ...)`` conv window and recurrent state."""
+        if self.cache[0] is None:
+            self.cache = [conv, recurrent]
+        else:
+            self.cache = [mx.concatenate([self.cache[0], conv]),
+                          mx.concatenate([self.cache[1], recurrent])]
+
+    def keep(self, rows: list[int]) -> None:
+        if not rows:
+            self.cache = [None, None]
+            return
+        index = mx.array(rows)
+        self.cache = [self.cache[0][index], self.cache[1][index]]

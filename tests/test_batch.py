@@ -3,8 +3,9 @@
 Greedy: token for token against mlx-lm's ``generate_step`` (the target alone) and the
 single-sequence engine, with prompts of different lengths, more prompts than ``max_batch``
 (queueing: sequences join mid-flight), different ``max_tokens`` (sequences leave mid-flight), stop
-strings, cancellations, and a planted drafter that agrees for some rows and not others. Sampled:
-the chi-square test of tests/test_sampling_stats.py, through the batched engine.
+strings, cancellations, and a planted drafter that agrees for some rows and not others, on
+attention (Llama, Qwen3) and hybrid (Qwen3.5: per-row GatedDeltaNet replay) targets. Sampled: the
+chi-square test of tests/test_sampling_stats.py, through the batched engine.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def mixed_plant(cycle, row, j):
     return [j == 0, j == 2, False, j == (cycle % 5)][(cycle + row) % 4]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", pytest.param("llama", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_greedy_equals_each_request_alone(kind, policy, loaded_pair):
     model, tokenizer, draft = loaded_pair(kind)
@@ -99,7 +100,8 @@ def test_greedy_equals_each_request_alone(kind, policy, loaded_pair):
     assert sampled == 0
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_5_wrapped", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_planted_partial_acceptance_stays_exact(kind, policy, loaded_pair):
     model, tokenizer, draft = loaded_pair(kind)
@@ -164,10 +166,19 @@ def test_stop_token_ids_and_queue(loaded_pair):
     assert out[0].finish_reason == "stop" and stop_id not in out[0].tokens
 
 
-def test_hybrid_target_falls_back_to_one_at_a_time(loaded_pair, capsys):
-    model, tokenizer, draft = loaded_pair("qwen3_5")
+def test_unbatchable_drafter_falls_back_to_one_at_a_time(loaded_pair, tiny_pair, tmp_path,
+                                                          capsys):
+    from tiny_models import write_drafter
+
+    from dflash.drafter import load_draft
+
+    model, tokenizer, _ = loaded_pair("llama")
+    target_path, _ = tiny_pair("llama")
+    draft = load_draft(write_drafter(tmp_path / "swa", target_path, taps=(0, 2), extra={
+        "layer_types": ["sliding_attention"], "sliding_window": 8}))
     prompts = prompts_for(tokenizer)[:3]
-    out = batch_generate(model, draft, tokenizer, prompts, max_batch=2, max_tokens=16)
+    out = batch_generate(model, draft, tokenizer, prompts, max_batch=2, max_tokens=16,
+                         policy="tree")  # every single-sequence policy works there
     assert "one sequence at a time" in capsys.readouterr().err
     for p, r in zip(prompts, out):
         assert r.tokens == alone(model, p, 16)
