@@ -345,11 +345,12 @@ class BatchGenerator:
         self.probe = True
 
     def _draft_rows(self, cap: int) -> int:
-        """Rows of the drafter's block pass (anchor included): the widest recent width plus two
-        (at least 4), as the single-sequence policy drafts."""
-        if self.policy == "fixed" or not self.widths:
+        """Rows of the drafter's block pass (anchor included): the widest recent width plus two,
+        at least 4 (and 4 before any pass: B blocks of a whole block each cost the drafter B
+        times a block, and most of those rows are never verified)."""
+        if self.policy == "fixed":
             return cap
-        return max(2, min(cap, max(4, max(self.widths) + 2)))
+        return max(2, min(cap, max(4, max(self.widths, default=0) + 2)))
 
     def _sync_drafter(self) -> None:
         """Give the drafter's context every row's features of the tokens committed since."""
@@ -424,10 +425,10 @@ class BatchGenerator:
             keep.append(a + 1)
         rollback_rows(self.cache, trace, keep, width)
         mx.async_eval([c.state for c in self.cache])
-        if width > 1:
+        if drafted_rows:
             self.widths.append(width)
-            if self.policy == "auto":
-                self._judge(steps, context, drafted_rows, width)
+        if width > 1 and self.policy == "auto":
+            self._judge(steps, context, drafted_rows, width)
         t2 = time.perf_counter()
         done = []
         for s, step in zip(rows, steps):

@@ -318,7 +318,10 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
 def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:
     """Feed one chunk of prompt ``tokens`` to the target and its taps to the drafter's context;
     the chunk's last logits ``(1, V)``, evaluated with the caches."""
-    logits, taps = forward(parts, mx.array(tokens)[None], cache, draft.target_layer_ids)
+    # Only the last row's logits are read: the head (the largest matrix of a small model) runs on
+    # that row alone.
+    logits, taps = forward(parts, mx.array(tokens)[None], cache, draft.target_layer_ids,
+                           logits_rows=slice(-1, None))
     draft.append_context(taps, dcache)
     last = logits[0, -1:]
     mx.eval(last, [c.state for c in cache], [c.state for c in dcache])
