@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -116,39 +117,13 @@ class _Detokenizer:
         return segment, hit
 
 
-def stream_generate(
-    model,
-    draft,
-    tokenizer,
-    prompt: str | Sequence[int] | mx.array,
-    block_size: int | None = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    seed: int | None = None,
-    *,
-    logit_bias: dict[int, float] | None = None,
-    sampler: Callable[[mx.array], mx.array] | None = None,
-    logits_processors: Sequence[Callable] | None = None,
-    proposal: str | None = None,
-    presence_context_size: int = 20,
-    frequency_context_size: int = 20,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    prefill_step_size: int = 2048,
-    prompt_progress_callback: Callable[[int, int], None] | None = None,
-    prompt_cache: PromptCache | None = None,
-    min_confidence: float | None = None,
-    policy: str | None = None,
-    tree_budget: int | None = None,
-) -> Generator[DFlashResponse, None, None]:
+def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.array, *args,
+                    prompt_cache: PromptCache | None = None,
+                    **settings) -> Generator[DFlashResponse, None, None]:
     """Generate with DFlash speculative decoding, yielding one response per cycle.
+
+    The settings are :func:`build_request`'s (``block_size``, ``max_tokens``, sampling, stops,
+    ``policy`` ...; see docs/api.md).
 
     Greedy output equals the target's own greedy output token for token; sampled output has the
     target's distribution under the same settings (see :mod:`dflash.sampling`). A
@@ -164,11 +139,8 @@ def stream_generate(
     the first block row where the product of the drafter's top probabilities falls below
     ``min_confidence`` (giving ``min_confidence`` alone selects it). Outputs never depend on the policy.
     """
-    # Every argument but the models, the prompt and the cache is a setting build_request checks.
-    settings = {k: v for k, v in locals().items()
-                if k not in ("model", "draft", "tokenizer", "prompt", "prompt_cache")}
     parts = target_parts(model)
-    request = build_request(parts, draft, tokenizer, prompt, **settings)
+    request = build_request(parts, draft, tokenizer, prompt, *args, **settings)
     return run_request(parts, draft, tokenizer, request, prompt_cache)
 
 
@@ -246,6 +218,20 @@ def build_request(
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget)
+
+
+def _signature() -> inspect.Signature:
+    """:func:`stream_generate`'s signature: :func:`build_request`'s settings (defined once, there),
+    the model in place of its parts, and the prompt cache."""
+    params = list(inspect.signature(build_request).parameters.values())
+    params[0] = params[0].replace(name="model", annotation=inspect.Parameter.empty)
+    cache = inspect.Parameter("prompt_cache", inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation="PromptCache | None")
+    return inspect.Signature(params + [cache],
+                             return_annotation="Generator[DFlashResponse, None, None]")
+
+
+stream_generate.__signature__ = _signature()
 
 
 @dataclass
