@@ -32,6 +32,9 @@ Design:
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output
   keeps its distribution.
 
+With ``max_batch=1`` there is never a batch: sequences go through the single-sequence engine
+(draft trees and pipelined plain steps included), one after another.
+
 Hybrid targets (Qwen3.5) batch too: their GatedDeltaNet layers keep a
 :class:`~dflash.ragged_cache.RaggedArraysCache` (conv window and recurrent state per row), and
 roll-back replays each row's accepted steps from the pass's start state with the other steps
@@ -161,6 +164,8 @@ class BatchGenerator:
         self.fallback = fallback_reason(self.parts, draft)
         if self.fallback is not None:
             log(f"dflash: {self.fallback}; decoding the batch one sequence at a time")
+        elif self.max_batch == 1:  # never a batch: the single-sequence engine (trees included)
+            self.fallback = "max_batch=1"
         elif policy not in BATCHED_POLICIES:
             raise GenerationConfigError(
                 f"policy={policy!r}: the batched engine verifies chains with "

@@ -184,6 +184,15 @@ def test_unbatchable_drafter_falls_back_to_one_at_a_time(loaded_pair, tiny_pair,
         assert r.tokens == alone(model, p, 16)
 
 
+def test_max_batch_one_is_the_single_sequence_engine(loaded_pair):
+    model, tokenizer, draft = loaded_pair("llama")
+    prompts = prompts_for(tokenizer)[:2]
+    out = batch_generate(model, draft, tokenizer, prompts, max_batch=1, max_tokens=16,
+                         policy="tree")  # trees: only the single-sequence engine verifies them
+    for p, r in zip(prompts, out):
+        assert r.tokens == alone(model, p, 16) and r.stats.tree_cycles > 0
+
+
 def test_bad_input_names_the_field(loaded_pair):
     model, tokenizer, draft = loaded_pair("qwen3")
     engine = BatchGenerator(model, draft, tokenizer, policy="fixed")
