@@ -26,7 +26,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import backend
 from .checkpoint import drafter_weights, read_config, read_weights, resolve_path
 from .dflash2 import CandidateSelector, DFlash2Cache, GroupedDynamicConv, WindowCache, walk
-from .errors import DraftCheckpointError
+from .errors import DraftCheckpointError, UnsupportedTargetError
+from .ragged_cache import RaggedKVCache
 
 V1, V2 = "DFlashDraftModel", "DFlash2DraftModel"
 ARCHITECTURES = (V1, V2)
@@ -279,6 +280,18 @@ def block_mask(n_context: int, block_len: int, window: int | None, causal: bool,
     return visible
 
 
+def _ragged_block_mask(cache: RaggedKVCache, block_len: int, window: int | None) -> mx.array:
+    """``(B, 1, L, context + L)``: each row's own context slots, then its whole block."""
+    if window is not None:
+        raise UnsupportedTargetError("batched drafting needs a drafter without sliding-window "
+                                     "layers")
+    context = cache.context_mask()
+    return mx.concatenate([mx.broadcast_to(context, (*context.shape[:2], block_len,
+                                                     context.shape[-1])),
+                           mx.ones((context.shape[0], 1, block_len, block_len), dtype=mx.bool_)],
+                          axis=-1)
+
+
 class DFlashDraftModel(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -323,6 +336,13 @@ class DFlashDraftModel(nn.Module):
         """
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
         return self.head_scores(target, self(target.embed(block), cache)[0, 1:])
+
+    def block_logits_batch(self, target, anchors: list[int], block_len: int,
+                           cache: list[RaggedKVCache]) -> mx.array:
+        """Logits ``(B, block_len - 1, V)``: :meth:`block_logits` for every row of a ragged
+        context cache at once, each block right after its own row's context."""
+        block = mx.array([[a] + [self.mask_token_id] * (block_len - 1) for a in anchors])
+        return self.head_logits(target, self(target.embed(block), cache)[:, 1:])
 
     def head_scores(self, target, hidden: mx.array) -> tuple[mx.array, mx.array | None]:
         """``(scores, ids)``: the target head's logits of draft hidden states over the draft
@@ -377,8 +397,11 @@ class DFlashDraftModel(nn.Module):
             attn = layer.self_attn
             ctx_keys, ctx_values = layer_cache.keys_and_values()
             n_context = ctx_keys.shape[2]  # a bounded cache holds the last rows only
-            mask = block_mask(n_context, x.shape[1], attn.sliding_window,
-                              attn.block_causal, block_start, block_start - n_context)
+            if isinstance(layer_cache, RaggedKVCache):
+                mask = _ragged_block_mask(layer_cache, x.shape[1], attn.sliding_window)
+            else:
+                mask = block_mask(n_context, x.shape[1], attn.sliding_window,
+                                  attn.block_causal, block_start, block_start - n_context)
             x = layer(x, ctx_keys, ctx_values, block_start, mask)
         return self.norm(x)
 
