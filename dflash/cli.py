@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import __version__
 from .console import PROG, log, one_line
@@ -396,8 +397,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_summary, parse_block_sizes, run_bench
+    from .bench import (
+        format_concurrency,
+        format_summary,
+        parse_block_sizes,
+        run_bench,
+        run_concurrency_bench,
+    )
 
+    if args.concurrency is not None:
+        if args.concurrency < 1:
+            raise CLIError(f"--concurrency {args.concurrency}: must be >= 1", code=2)
+        result = run_concurrency_bench(
+            model=args.model, draft=args.draft, prompts=args.prompts,
+            concurrency=args.concurrency, max_tokens=args.max_tokens, limit=args.limit,
+            chat_template=not args.no_chat_template, system=args.system,
+            template_kwargs=template_kwargs(args), policy=args.policy,
+            warmup=not args.no_warmup, log=log)
+        print(format_concurrency(result), flush=True)
+        if args.out is not None:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"concurrency-{args.concurrency}.json").write_text(
+                json.dumps(result, indent=1, default=str) + "\n")
+        return 0
     try:
         block_sizes = parse_block_sizes(args.block_size)
     except ValueError as e:
@@ -503,6 +526,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "(default: the drafter's)")
     add_policy_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="serve the prompts N at a time through the batched engine and through "
+                        "mlx-lm's batching (greedy); report aggregate tokens/s, their ratio and "
+                        "time to first token")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="(default 0)")

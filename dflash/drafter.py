@@ -26,7 +26,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import backend
 from .checkpoint import drafter_weights, read_config, read_weights, resolve_path
 from .dflash2 import CandidateSelector, DFlash2Cache, GroupedDynamicConv, WindowCache, walk
-from .errors import DraftCheckpointError
+from .errors import DraftCheckpointError, UnsupportedTargetError
+from .ragged_cache import RaggedKVCache
 
 V1, V2 = "DFlashDraftModel", "DFlash2DraftModel"
 ARCHITECTURES = (V1, V2)
@@ -279,6 +280,18 @@ def block_mask(n_context: int, block_len: int, window: int | None, causal: bool,
     return visible
 
 
+def _ragged_block_mask(cache: RaggedKVCache, block_len: int, window: int | None) -> mx.array:
+    """``(B, 1, L, context + L)``: each row's own context slots, then its whole block."""
+    if window is not None:
+        raise UnsupportedTargetError("batched drafting needs a drafter without sliding-window "
+                                     "layers")
+    context = cache.context_mask()
+    return mx.concatenate([mx.broadcast_to(context, (*context.shape[:2], block_len,
+                                                     context.shape[-1])),
+                           mx.ones((context.shape[0], 1, block_len, block_len), dtype=mx.bool_)],
+                          axis=-1)
+
+
 class DFlashDraftModel(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -319,12 +332,22 @@ class DFlashDraftModel(nn.Module):
         ``target`` lends its embedding and head (:class:`dflash.target.TargetParts`).
         """
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
-        hidden = self(target.embed(block), cache)[0, 1:]
+        return self._logits(target, self(target.embed(block), cache)[0, 1:])
+
+    def block_logits_batch(self, target, anchors: list[int], block_len: int,
+                           cache: list[RaggedKVCache]) -> mx.array:
+        """Logits ``(B, block_len - 1, V)``: :meth:`block_logits` for every row of a ragged
+        context cache at once, each block right after its own row's context."""
+        block = mx.array([[a] + [self.mask_token_id] * (block_len - 1) for a in anchors])
+        return self._logits(target, self(target.embed(block), cache)[:, 1:])
+
+    def _logits(self, target, hidden: mx.array) -> mx.array:
+        """The target's head on final hidden states (``-inf`` outside a draft vocabulary)."""
         if self.config.draft_vocab_ids is None:
             return target.head(hidden)
         ids, rows = self.head_cut(target)
-        logits = mx.full((hidden.shape[0], target.vocab_size), -mx.inf, dtype=hidden.dtype)
-        logits[:, ids] = hidden @ rows.T
+        logits = mx.full((*hidden.shape[:-1], target.vocab_size), -mx.inf, dtype=hidden.dtype)
+        logits[..., ids] = hidden @ rows.T
         return logits
 
     def propose(self, draft_logits: mx.array, anchor: int, cache: list, sampler,
@@ -361,8 +384,11 @@ class DFlashDraftModel(nn.Module):
             attn = layer.self_attn
             ctx_keys, ctx_values = layer_cache.keys_and_values()
             n_context = ctx_keys.shape[2]  # a bounded cache holds the last rows only
-            mask = block_mask(n_context, x.shape[1], attn.sliding_window,
-                              attn.block_causal, block_start, block_start - n_context)
+            if isinstance(layer_cache, RaggedKVCache):
+                mask = _ragged_block_mask(layer_cache, x.shape[1], attn.sliding_window)
+            else:
+                mask = block_mask(n_context, x.shape[1], attn.sliding_window,
+                                  attn.block_causal, block_start, block_start - n_context)
             x = layer(x, ctx_keys, ctx_values, block_start, mask)
         return self.norm(x)
 

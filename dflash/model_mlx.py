@@ -25,8 +25,10 @@ def load_default():
     return model, tokenizer, load_draft(str(default_draft_path()))
 
 
+from .batch import BatchEvent, BatchGenerator, batch_generate  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .speculative import DFlashResponse, GenerationResult, generate, stream_generate  # noqa: E402
 
 __all__ = ["load", "load_draft", "load_default", "stream_generate", "generate",
-           "DFlashResponse", "GenerationResult", "PromptCache"]
+           "DFlashResponse", "GenerationResult", "PromptCache", "batch_generate",
+           "BatchGenerator", "BatchEvent"]

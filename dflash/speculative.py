@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
 from .target import (
+    TargetParts,
     VerifyTrace,
     check_compatible,
     commit_tree_path,
@@ -115,8 +117,35 @@ class _Detokenizer:
         return segment, hit
 
 
-def stream_generate(
-    model,
+def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.array, *args,
+                    prompt_cache: PromptCache | None = None,
+                    **settings) -> Generator[DFlashResponse, None, None]:
+    """Generate with DFlash speculative decoding, yielding one response per cycle.
+
+    The settings are :func:`build_request`'s (``block_size``, ``max_tokens``, sampling, stops,
+    ``policy`` ...; see docs/api.md).
+
+    Greedy output equals the target's own greedy output token for token; sampled output has the
+    target's distribution under the same settings (see :mod:`dflash.sampling`). A
+    :class:`~dflash.prompt_cache.PromptCache` carries the caches over to the next call, which then
+    prefills only what its prompt does not share with the tokens already cached.
+
+    ``policy`` chooses how many drafted tokens each cycle verifies (:mod:`dflash.verify_policy`):
+    ``"auto"`` (default) maximises expected committed tokens per second under this machine's
+    measured cost model (:mod:`dflash.cost_model`) and takes plain target steps while speculation
+    loses, and verifies draft trees where they are worth more than chains (attention-only targets;
+    hybrid targets verify chains); ``"tree"`` verifies a best-first tree of ``tree_budget`` nodes
+    (default 16) every cycle; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to
+    the first block row where the product of the drafter's top probabilities falls below
+    ``min_confidence`` (giving ``min_confidence`` alone selects it). Outputs never depend on the policy.
+    """
+    parts = target_parts(model)
+    request = build_request(parts, draft, tokenizer, prompt, *args, **settings)
+    return run_request(parts, draft, tokenizer, request, prompt_cache)
+
+
+def build_request(
+    parts: TargetParts,
     draft,
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
@@ -142,28 +171,12 @@ def stream_generate(
     stop_token_ids: Sequence[int] | None = None,
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
-    prompt_cache: PromptCache | None = None,
     min_confidence: float | None = None,
     policy: str | None = None,
     tree_budget: int | None = None,
-) -> Generator[DFlashResponse, None, None]:
-    """Generate with DFlash speculative decoding, yielding one response per cycle.
-
-    Greedy output equals the target's own greedy output token for token; sampled output has the
-    target's distribution under the same settings (see :mod:`dflash.sampling`). A
-    :class:`~dflash.prompt_cache.PromptCache` carries the caches over to the next call, which then
-    prefills only what its prompt does not share with the tokens already cached.
-
-    ``policy`` chooses how many drafted tokens each cycle verifies (:mod:`dflash.verify_policy`):
-    ``"auto"`` (default) maximises expected committed tokens per second under this machine's
-    measured cost model (:mod:`dflash.cost_model`) and takes plain target steps while speculation
-    loses, and verifies draft trees where they are worth more than chains (attention-only targets;
-    hybrid targets verify chains); ``"tree"`` verifies a best-first tree of ``tree_budget`` nodes
-    (default 16) every cycle; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to
-    the first block row where the product of the drafter's top probabilities falls below
-    ``min_confidence`` (giving ``min_confidence`` alone selects it). Outputs never depend on the policy.
-    """
-    parts = target_parts(model)
+) -> DecodeRequest:
+    """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
+    field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
     check_compatible(parts, draft)
     block_size = draft.block_size if block_size is None else block_size
     if policy is None:
@@ -200,12 +213,25 @@ def stream_generate(
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     stop_ids |= {int(t) for t in stop_token_ids or ()}
 
-    request = DecodeRequest(
+    return DecodeRequest(
         prompt_ids=prompt_ids, block_size=block_size, max_tokens=max_tokens,
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget)
-    return _generate(parts, draft, tokenizer, request, prompt_cache)
+
+
+def _signature() -> inspect.Signature:
+    """:func:`stream_generate`'s signature: :func:`build_request`'s settings (defined once, there),
+    the model in place of its parts, and the prompt cache."""
+    params = list(inspect.signature(build_request).parameters.values())
+    params[0] = params[0].replace(name="model", annotation=inspect.Parameter.empty)
+    cache = inspect.Parameter("prompt_cache", inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation="PromptCache | None")
+    return inspect.Signature(params + [cache],
+                             return_annotation="Generator[DFlashResponse, None, None]")
+
+
+stream_generate.__signature__ = _signature()
 
 
 @dataclass
@@ -237,6 +263,7 @@ class DecodeState:
     pending_taps: mx.array | None = None  # target features the drafter has not seen yet
     accepted_at: list[int] = field(default_factory=list)
     proposed_at: list[int] = field(default_factory=list)
+    cycle_tokens: int = 0  # tokens emitted by speculative cycles (mean_tau's numerator)
 
     def sync_drafter(self, draft) -> None:
         """Give the drafter the features of the last committed tokens."""
@@ -250,8 +277,9 @@ class DecodeState:
             mx.concatenate([self.pending_taps, taps], axis=1)
 
 
-def _generate(parts, draft, tokenizer, request: DecodeRequest,
-              prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
+def run_request(parts, draft, tokenizer, request: DecodeRequest,
+                prompt_cache: PromptCache | None = None) -> Generator[DFlashResponse, None, None]:
+    """Decode one validated request (:func:`build_request`), one response per cycle."""
     if prompt_cache is None:
         cache, dcache, reused = make_cache(parts), draft.make_cache(), 0
     else:
@@ -273,17 +301,28 @@ def _generate(parts, draft, tokenizer, request: DecodeRequest,
         raise
 
 
+def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:
+    """Feed one chunk of prompt ``tokens`` to the target and its taps to the drafter's context;
+    the chunk's last logits ``(1, V)``, evaluated with the caches."""
+    # Only the last row's logits are read: the head (the largest matrix of a small model) runs on
+    # that row alone.
+    logits, taps = forward(parts, mx.array(tokens)[None], cache, draft.target_layer_ids,
+                           logits_rows=slice(-1, None))
+    draft.append_context(taps, dcache)
+    last = logits[0, -1:]
+    mx.eval(last, [c.state for c in cache], [c.state for c in dcache])
+    return last
+
+
 def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: int) -> mx.array:
     """Feed the prompt from ``start`` in chunks (the drafter sees every row); the last logits."""
     n, step = len(request.prompt_ids), request.prefill_step_size
     for begin in range(start, n, step):
-        chunk = mx.array(request.prompt_ids[begin:begin + step])[None]
-        logits, taps = forward(parts, chunk, state.cache, draft.target_layer_ids)
-        draft.append_context(taps, state.dcache)
-        mx.eval(logits[:, -1], [c.state for c in state.cache], [c.state for c in state.dcache])
+        last = prefill_chunk(parts, draft, request.prompt_ids[begin:begin + step], state.cache,
+                             state.dcache)
         if request.progress:
             request.progress(min(begin + step, n), n)
-    return logits[0, -1:]
+    return last
 
 
 class StepResult(NamedTuple):
@@ -438,59 +477,77 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
         finish_cache()
         yield stats
         return
-    sampler = request.sampler
-    emitted = [int(sampler.sample(sampler.process(last_logits, state.history, [])).item())]
+    emitted = [first_token(request, state, last_logits)]
     stats.prompt_tps = len(request.prompt_ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
-    cycle_tokens = 0
     while True:
         # Emit what the last cycle produced (the first time: the prefill's token).
-        finish = None
-        for j, t in enumerate(emitted):
-            if t in request.stop_ids:
-                emitted, finish = emitted[:j], "stop"
-                break
-        remaining = max_tokens - stats.generation_tokens
-        if len(emitted) >= remaining and finish is None:
-            emitted, finish = emitted[:remaining], "length"
-        state.history.extend(emitted)
-        stats.generation_tokens += len(emitted)
-        text, hit_stop = detok.add(emitted, final=finish is not None)
-        if hit_stop:
-            finish = "stop"
-        elapsed = time.perf_counter() - tic
-        stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
-        stats.peak_memory = mx.get_peak_memory() / 1e9
-        stats.acceptance_by_position = [a / p if p else 0.0
-                                        for a, p in zip(state.accepted_at, state.proposed_at)]
-        if finish is not None:
+        response = emit(request, state, stats, detok, emitted, tic)
+        if response.finish_reason is not None:
             finish_cache()
-        yield _snapshot(stats, text, emitted, finish)
-        if finish is not None:
+        yield response
+        if response.finish_reason is not None:
             return
 
         t0 = time.perf_counter()
         bs = min(request.block_size, max_tokens - stats.generation_tokens)
         step = _speculative_step(parts, draft, request, state, bs,
                                  max_tokens - stats.generation_tokens, draft_columns)
-        t2 = time.perf_counter()
-        emitted, a = step.tokens, step.accepted
-        stats.draft_time += step.drafted_at - t0
-        stats.verify_time += t2 - step.drafted_at
-        stats.accepted = a
-        stats.cycle_tau = a + 1
-        stats.plain_steps = state.policy.stats.plain_steps
-        stats.tree_cycles = state.policy.stats.tree_cycles
-        stats.rows_per_pass = state.policy.stats.rows_per_pass
-        if step.plain:
-            continue
-        stats.cycles += 1
-        stats.verified_tokens += step.verified
-        cycle_tokens += a + 1
-        stats.mean_tau = cycle_tokens / stats.cycles
-        for j in range(step.verified if step.depths is None else step.depths):
-            state.proposed_at[j] += 1
-            state.accepted_at[j] += j < a
+        emitted = step.tokens
+        count_step(stats, state, step, t0, time.perf_counter())
+
+
+def first_token(request: DecodeRequest, state: DecodeState, last_logits: mx.array) -> int:
+    """The token after the prompt, from the prefill's last logits."""
+    sampler = request.sampler
+    return int(sampler.sample(sampler.process(last_logits, state.history, [])).item())
+
+
+def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, detok: _Detokenizer,
+         emitted: list[int], tic: float) -> DFlashResponse:
+    """The response for the tokens a cycle produced: cut at a stop id, at ``max_tokens`` or at a
+    stop string; the history and the running statistics updated (``tic``: decoding's start)."""
+    finish = None
+    for j, t in enumerate(emitted):
+        if t in request.stop_ids:
+            emitted, finish = emitted[:j], "stop"
+            break
+    remaining = request.max_tokens - stats.generation_tokens
+    if len(emitted) >= remaining and finish is None:
+        emitted, finish = emitted[:remaining], "length"
+    state.history.extend(emitted)
+    stats.generation_tokens += len(emitted)
+    text, hit_stop = detok.add(emitted, final=finish is not None)
+    if hit_stop:
+        finish = "stop"
+    elapsed = time.perf_counter() - tic
+    stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
+    stats.peak_memory = mx.get_peak_memory() / 1e9
+    stats.acceptance_by_position = [a / p if p else 0.0
+                                    for a, p in zip(state.accepted_at, state.proposed_at)]
+    return _snapshot(stats, text, emitted, finish)
+
+
+def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: float,
+               t2: float) -> None:
+    """Add one step (started at ``t0``, ended at ``t2``) to the running statistics."""
+    a = step.accepted
+    stats.draft_time += step.drafted_at - t0
+    stats.verify_time += t2 - step.drafted_at
+    stats.accepted = a
+    stats.cycle_tau = a + 1
+    stats.plain_steps = state.policy.stats.plain_steps
+    stats.tree_cycles = state.policy.stats.tree_cycles
+    stats.rows_per_pass = state.policy.stats.rows_per_pass
+    if step.plain:
+        return
+    stats.cycles += 1
+    stats.verified_tokens += step.verified
+    state.cycle_tokens += a + 1
+    stats.mean_tau = state.cycle_tokens / stats.cycles
+    for j in range(step.verified if step.depths is None else step.depths):
+        state.proposed_at[j] += 1
+        state.accepted_at[j] += j < a
 
 
 def _snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFlashResponse:

@@ -268,6 +268,28 @@ def rollback(cache: list, trace: VerifyTrace, keep: int, verified: int) -> None:
             c.trim(drop)
 
 
+def rollback_rows(cache: list, trace: VerifyTrace, keep: list[int], verified: int) -> None:
+    """:func:`rollback` for a batch (:mod:`dflash.ragged_cache`): row ``b`` keeps its first
+    ``keep[b]`` of ``verified`` rows. Attention rows just take their new lengths; GatedDeltaNet
+    rows take their conv window at their own offset and replay their recurrence from the pass's
+    start state, the steps past ``keep[b]`` masked (a masked step leaves the state unchanged)."""
+    keep_array = mx.array(keep)
+    for i, c in enumerate(cache):
+        if i not in trace.deltas:
+            c.set_lengths([n - verified + k for n, k in zip(c.lengths, keep)])
+            continue
+        if min(keep) == verified:
+            continue
+        t = trace.deltas[i]
+        n_conv = t.conv_input.shape[1] - verified
+        window = (keep_array[:, None] + mx.arange(n_conv)[None])[..., None]
+        c[0] = mx.take_along_axis(t.conv_input, window, axis=1)
+        steps = max(keep)
+        mask = mx.arange(steps)[None] < keep_array[:, None]
+        _, c[1] = gated_delta_update(t.q[:, :steps], t.k[:, :steps], t.v[:, :steps],
+                                     t.a[:, :steps], t.b[:, :steps], t.A_log, t.dt_bias,
+                                     t.state0, mask)
+
 
 # ---------------------------------------------------------------------------------------------
 # Tree verification (attention-only targets)

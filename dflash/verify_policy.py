@@ -338,3 +338,31 @@ class VerifyPolicy:
             self.rate = None  # the probe after the plain stretch decides afresh
         else:
             self.losses = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches (dflash.batch)
+
+
+def batch_width(acceptance: list[np.ndarray], cost: CostModel, context: int,
+                draft_ms: float) -> tuple[int, float]:
+    """The verify width ``n`` (anchor included; 1: a plain step, no proposals) of one batched
+    target pass over ``len(acceptance)`` sequences, and its expected committed tokens per ms.
+
+    The pass is a ``(B, n)`` block, so it costs ``B * n`` rows whichever sequence fills them:
+    every sequence verifies up to ``n - 1`` proposals, and ``acceptance[b]`` (sequence ``b``'s
+    calibrated per-row acceptance, :class:`AcceptanceModel`) says what that is worth. ``draft_ms``
+    (what drafting costs or cost) is charged to speculative widths only. Speculation must beat a
+    plain batched step by ``MARGIN``; as the batch grows, ``verify(B * n)`` grows with it and the
+    plain step wins by itself.
+    """
+    b = len(acceptance)
+    best, best_rate = 1, MARGIN * b / cost.verify(b, context)
+    longest = max((len(p) for p in acceptance), default=0)
+    for n in range(2, longest + 2):
+        tokens = sum(expected_tokens(p)[min(n - 1, len(p))] for p in acceptance)
+        rate = tokens / (draft_ms + cost.verify(b * n, context))
+        if rate > best_rate:
+            best, best_rate = n, rate
+    rate = best_rate if best > 1 else best_rate / MARGIN
+    return best, rate

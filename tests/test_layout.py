@@ -17,9 +17,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dflash"
 LAYERS: dict[str, set[str]] = {
     "base": {"errors", "console", "backend", "workers"},
     "model": {"target", "drafter", "checkpoint", "sampling", "prompts", "gguf_import",
-              "default_pair", "tree", "dflash2"},
-    "engine": {"model_mlx", "pair", "speculative", "verify_policy", "cost_model", "prompt_cache",
-               "acceptance", "stats"},
+              "default_pair", "tree", "dflash2", "ragged_cache"},
+    "engine": {"model_mlx", "pair", "speculative", "batch", "verify_policy", "cost_model",
+               "prompt_cache", "acceptance", "stats"},
     "tools": {"serving.*", "training.*", "bench", "convert"},
     "top": {"cli", "__main__"},
 }

@@ -1,0 +1,492 @@
+"""Batched speculative decoding: several sequences share every drafter pass and every target pass.
+
+Why: on a small target, a verify pass of 16 rows costs about what 2 one-token steps cost, so one
+sequence leaves most of a pass's rows idle. Serving several users, those rows are better spent on
+their sequences: one drafter pass drafts every active sequence's block, one target pass verifies
+all of them, and each sequence accepts and rolls back on its own.
+
+Design:
+
+* **Ragged caches.** Target and drafter keep one :class:`~dflash.ragged_cache.RaggedKVCache` per
+  layer: row ``b`` owns slots ``0 .. length_b - 1``, a pass writes each row's new keys after its
+  own length, the mask hides the rest, RoPE reads one offset per row, and roll-back is setting a
+  row's length. No copy per cycle (mlx-lm's left-padded ``BatchKVCache`` would need each row
+  re-aligned after a partial acceptance), and mlx-lm's own attention modules run unchanged.
+* **One step** (:meth:`BatchGenerator.step`): cancelled sequences leave; at most
+  ``prefill_chunk`` prompt tokens are prefilled, from the head of the queue (each prompt alone
+  through ordinary caches: exactly the single-sequence prefill; short prompts arriving together
+  share one step's budget), so a long prompt costs the others one chunk per step; a prompt whose
+  prefill is done joins the batch (its caches become new rows); then one decode cycle for every
+  joined sequence; finished sequences leave.
+* **Verify width across the batch.** A ``(B, n)`` pass costs ``B * n`` rows however they are
+  shared, so every sequence verifies up to ``n - 1`` proposals (fewer near its ``max_tokens``)
+  and the policy chooses ``n``: :func:`~dflash.verify_policy.batch_width` maximises expected
+  committed tokens per millisecond under the measured cost model, from each sequence's own
+  calibrated acceptance (its :class:`~dflash.verify_policy.VerifyPolicy`'s
+  ``AcceptanceModel``). ``n = 1`` is plain batched decoding, without a drafter pass: as the batch
+  grows, ``verify(B * n)`` grows and plain steps win by themselves. When speculation loses, plain
+  steps run for a stretch that doubles while it keeps losing, then one cycle probes again.
+  ``policy="fixed"`` verifies the whole block. Chains only: trees stay single-sequence.
+* **Per sequence**: sampling settings, seeds, penalties, stops and limits are the
+  single-sequence engine's (:func:`~dflash.speculative.build_request`, ``BlockSampler.accept``,
+  :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output
+  keeps its distribution.
+
+Hybrid targets (Qwen3.5) batch too: their GatedDeltaNet layers keep a
+:class:`~dflash.ragged_cache.RaggedArraysCache` (conv window and recurrent state per row), and
+roll-back replays each row's accepted steps from the pass's start state with the other steps
+masked (:func:`~dflash.target.rollback_rows`). Targets with sliding windows and DFlash2 drafters
+are not batched: the engine says so once and decodes their sequences one at a time through the
+single-sequence engine (each step advances each of them by one cycle).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .console import log
+from .cost_model import cost_model
+from .errors import GenerationConfigError
+from .ragged_cache import RaggedArraysCache, RaggedKVCache
+from .sampling import _is_int, check_decode_settings
+from .speculative import (
+    DecodeRequest,
+    DecodeState,
+    DFlashResponse,
+    GenerationResult,
+    StepResult,
+    _Detokenizer,
+    _snapshot,
+    build_request,
+    count_step,
+    emit,
+    first_token,
+    prefill_chunk,
+    run_request,
+)
+from .target import (
+    VerifyTrace,
+    check_compatible,
+    forward,
+    make_cache,
+    rollback_rows,
+    target_parts,
+)
+from .verify_policy import (
+    MARGIN,
+    MAX_BACKOFF,
+    Plan,
+    VerifyPolicy,
+    batch_width,
+    check_policy,
+    draft_candidates,
+    expected_tokens,
+)
+
+# Settings of the whole engine (given to BatchGenerator), not of one request.
+ENGINE_SETTINGS = ("block_size", "policy", "min_confidence", "tree_budget", "prefill_step_size")
+REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).parameters
+                         if name not in ("parts", "draft", "tokenizer", "prompt")
+                         and name not in ENGINE_SETTINGS)
+BATCHED_POLICIES = ("auto", "fixed")
+
+
+@dataclass
+class BatchEvent:
+    """What one step produced for one sequence: new text and tokens, or its end."""
+
+    uid: int
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    stats: DFlashResponse
+
+
+@dataclass
+class _Sequence:
+    uid: int
+    request: DecodeRequest
+    state: DecodeState
+    stats: DFlashResponse
+    detok: _Detokenizer
+    cache: list | None = None  # its own caches while it prefills
+    dcache: list | None = None
+    prefilled: int = 0
+    tic: float = 0.0  # when its prefill started, then when its decoding started
+    conf: np.ndarray | None = None  # the drafter's top probabilities in its last drafted block
+    stream: Generator[DFlashResponse, None, None] | None = None  # one-at-a-time fallback
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - self.stats.generation_tokens
+
+
+def fallback_reason(parts, draft) -> str | None:
+    """Why this pair cannot be batched (None: it can)."""
+    if draft.config.is_dflash2:
+        return "DFlash2 drafters are not batched"
+    if any(t != "full_attention" for t in draft.layer_types()):
+        return "drafters with sliding-window layers are not batched"
+    for i, c in enumerate(make_cache(parts)):
+        if type(c) not in (KVCache, ArraysCache):
+            return (f"target layer {i} keeps a {type(c).__name__} (sliding-window layers are "
+                    "not batched)")
+    return None
+
+
+class BatchGenerator:
+    """Continuous batching of speculative decoding; driven by one thread calling :meth:`step`."""
+
+    def __init__(self, model, draft, tokenizer, *, max_batch: int = 8, prefill_chunk: int = 256,
+                 block_size: int | None = None, policy: str = "auto"):
+        self.parts = target_parts(model)
+        check_compatible(self.parts, draft)
+        self.draft, self.tokenizer = draft, tokenizer
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if not _is_int(value) or value < 1:
+                raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
+        self.max_batch, self.prefill_chunk = int(max_batch), int(prefill_chunk)
+        self.block_size = draft.block_size if block_size is None else block_size
+        check_decode_settings(self.block_size, 0, self.prefill_chunk, 0.0)
+        check_policy(policy)
+        self.policy = policy
+        self.fallback = fallback_reason(self.parts, draft)
+        if self.fallback is not None:
+            log(f"dflash: {self.fallback}; decoding the batch one sequence at a time")
+        elif policy not in BATCHED_POLICIES:
+            raise GenerationConfigError(
+                f"policy={policy!r}: the batched engine verifies chains with "
+                f"{' or '.join(repr(p) for p in BATCHED_POLICIES)}")
+        self.cost = cost_model(self.parts, draft) if policy == "auto" and not self.fallback \
+            else None
+        self.draft_columns = (draft.head_cut(self.parts)[0]
+                              if draft.config.draft_vocab_ids is not None else None)
+        self.queue: deque[_Sequence] = deque()
+        self.prefilling: _Sequence | None = None
+        self.rows: list[_Sequence] = []  # decoding; row i of the batch caches
+        self.cache = [RaggedKVCache() if type(c) is KVCache else RaggedArraysCache()
+                      for c in make_cache(self.parts)]
+        self.dcache = [RaggedKVCache() for _ in draft.layers]
+        self.widths: deque[int] = deque(maxlen=8)  # verify widths of recent speculative passes
+        self.backoff = self.losses = 0
+        self.probe = False
+        self.cancelled: set[int] = set()
+        self.next_uid = 0
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def insert(self, prompt: str | Sequence[int], **settings) -> int:
+        """Queue a prompt with the settings of :func:`~dflash.speculative.stream_generate`
+        (checked now: a typed error names the field); its uid."""
+        for name, value in settings.items():
+            if name in ENGINE_SETTINGS:
+                raise GenerationConfigError(
+                    f"{name}={value!r}: a setting of the whole batch (BatchGenerator), not of "
+                    "one request")
+            if name not in REQUEST_SETTINGS:
+                raise GenerationConfigError(f"{name}: not a generation setting")
+        request = build_request(self.parts, self.draft, self.tokenizer, prompt,
+                                block_size=self.block_size, policy=self.policy,
+                                prefill_step_size=self.prefill_chunk, **settings)
+        # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
+        policy = None if self.fallback else VerifyPolicy(request.policy, request.block_size,
+                                                         self.cost)
+        state = DecodeState(None, None, history=list(request.prompt_ids),
+                            fed=list(request.prompt_ids), policy=policy,
+                            accepted_at=[0] * (request.block_size - 1),
+                            proposed_at=[0] * (request.block_size - 1))
+        uid, self.next_uid = self.next_uid, self.next_uid + 1
+        self.queue.append(_Sequence(uid, request, state,
+                                    DFlashResponse(prompt_tokens=len(request.prompt_ids)),
+                                    _Detokenizer(self.tokenizer, request.stops)))
+        return uid
+
+    def cancel(self, uid: int) -> None:
+        """The sequence leaves at the next step (its last event says ``"cancelled"``)."""
+        self.cancelled.add(uid)
+
+    @property
+    def active(self) -> int:
+        """Sequences decoding or prefilling."""
+        return len(self.rows) + (self.prefilling is not None)
+
+    @property
+    def pending(self) -> int:
+        """Sequences waiting for a place in the batch."""
+        return len(self.queue)
+
+    # -- the engine step ----------------------------------------------------------------------
+
+    def step(self) -> list[BatchEvent]:
+        """One engine step: leaves, at most one prefill chunk, one decode cycle."""
+        events: list[BatchEvent] = []
+        self._leave_cancelled(events)
+        if self.fallback is not None:
+            self._step_one_at_a_time(events)
+            return events
+        budget = self.prefill_chunk  # prompt tokens this step may prefill
+        while budget > 0:
+            if self.prefilling is None and self.queue and len(self.rows) < self.max_batch:
+                self.prefilling = self.queue.popleft()
+                self.prefilling.cache = make_cache(self.parts)
+                self.prefilling.dcache = self.draft.make_cache()
+                self.prefilling.tic = time.perf_counter()
+            if self.prefilling is None:
+                break
+            budget -= self._prefill_step(events, budget)
+        if self.rows:
+            self._cycle(events)
+        return events
+
+    def _event(self, seq: _Sequence, response: DFlashResponse, events: list[BatchEvent]) -> None:
+        if response.tokens or response.text or response.finish_reason is not None:
+            events.append(BatchEvent(seq.uid, response.text, list(response.tokens),
+                                     response.finish_reason, response))
+
+    def _leave_cancelled(self, events: list[BatchEvent]) -> None:
+        if not self.cancelled:
+            return
+        gone = self.cancelled
+        self.cancelled = set()
+        for seq in [s for s in self.queue if s.uid in gone]:
+            self.queue.remove(seq)
+            self._event(seq, _snapshot(seq.stats, "", [], "cancelled"), events)
+        if self.prefilling is not None and self.prefilling.uid in gone:
+            seq, self.prefilling = self.prefilling, None
+            self._event(seq, _snapshot(seq.stats, "", [], "cancelled"), events)
+        for seq in self.rows:
+            if seq.uid in gone:
+                if seq.stream is not None:
+                    seq.stream.close()
+                self._event(seq, _snapshot(seq.stats, "", [], "cancelled"), events)
+        self._keep([i for i, s in enumerate(self.rows) if s.uid not in gone])
+
+    def _keep(self, rows: list[int]) -> None:
+        """Only these rows stay in the batch (the others finished or left)."""
+        if len(rows) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in rows]
+        if self.fallback is None:
+            for c in self.cache + self.dcache:
+                c.keep(rows)
+
+    def _prefill_step(self, events: list[BatchEvent], budget: int) -> int:
+        """Up to ``budget`` prompt tokens of the prefilling sequence (alone, through its own
+        caches); at the prompt's end, its first token and its join. The tokens fed."""
+        seq = self.prefilling
+        ids, begin = seq.request.prompt_ids, seq.prefilled
+        chunk = ids[begin:begin + budget]
+        last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache)
+        seq.prefilled = begin + len(chunk)
+        if seq.request.progress:
+            seq.request.progress(seq.prefilled, len(ids))
+        if seq.prefilled < len(ids):
+            return len(chunk)
+        self.prefilling = None
+        self._joined(seq, last, events)
+        return len(chunk)
+
+    def _joined(self, seq: _Sequence, last: mx.array, events: list[BatchEvent]) -> None:
+        """A prompt is prefilled: its first token, then its caches join the batch as a row."""
+        ids = seq.request.prompt_ids
+        if seq.request.max_tokens == 0:
+            self._event(seq, _snapshot(seq.stats, "", [], "length"), events)
+            return
+        token = first_token(seq.request, seq.state, last)
+        now = time.perf_counter()
+        seq.stats.prompt_tps = len(ids) / (now - seq.tic)
+        seq.tic = now
+        response = emit(seq.request, seq.state, seq.stats, seq.detok, [token], seq.tic)
+        self._event(seq, response, events)
+        if response.finish_reason is not None:
+            return
+        for ragged, c in zip(self.cache + self.dcache, seq.cache + seq.dcache):
+            if isinstance(c, ArraysCache):
+                ragged.add(c[0], c[1])
+            else:
+                ragged.add(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+        seq.cache = seq.dcache = None
+        self.rows.append(seq)
+
+    # -- one decode cycle for every row -------------------------------------------------------
+
+    def _want_draft(self, context: int, cap: int) -> bool:
+        """Draft this cycle? ``policy="auto"``: while plain steps are predicted to win, no."""
+        if cap < 2:
+            return False
+        if self.policy == "fixed":
+            return True
+        if self.backoff:
+            self.backoff -= 1
+            return False
+        if self.probe or any(s.conf is None for s in self.rows):
+            self.probe = False
+            return True
+        rows = self._draft_rows(cap)
+        width, _ = batch_width([s.state.policy.acceptance.predict(s.conf) for s in self.rows],
+                               self.cost, context, self.cost.draft(len(self.rows) * rows))
+        if width > 1:
+            return True
+        self._lost()
+        return False
+
+    def _lost(self) -> None:
+        """Speculation lost: plain steps for a stretch that doubles, then a probe."""
+        self.losses += 1
+        self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
+        self.probe = True
+
+    def _draft_rows(self, cap: int) -> int:
+        """Rows of the drafter's block pass (anchor included): the widest recent width plus two,
+        at least 4 (and 4 before any pass: B blocks of a whole block each cost the drafter B
+        times a block, and most of those rows are never verified)."""
+        if self.policy == "fixed":
+            return cap
+        return max(2, min(cap, max(4, max(self.widths, default=0) + 2)))
+
+    def _sync_drafter(self) -> None:
+        """Give the drafter's context every row's features of the tokens committed since."""
+        pending = [s.state.pending_taps for s in self.rows]
+        counts = [0 if p is None else p.shape[1] for p in pending]
+        most = max(counts)
+        if most == 0:
+            return
+        like = next(p for p in pending if p is not None)
+        padded = mx.concatenate([
+            mx.zeros((1, most, like.shape[-1]), like.dtype) if p is None else
+            mx.pad(p, [(0, 0), (0, most - p.shape[1]), (0, 0)]) for p in pending])
+        before = self.dcache[0].lengths
+        self.draft.append_context(padded, self.dcache)
+        for c in self.dcache:
+            c.set_lengths([n + k for n, k in zip(before, counts)])
+        for s in self.rows:
+            s.state.pending_taps = None
+
+    def _cycle(self, events: list[BatchEvent]) -> None:
+        t0 = time.perf_counter()
+        rows = self.rows
+        anchors = [s.state.history[-1] for s in rows]
+        context = max(len(s.state.fed) for s in rows)  # tokens in the longest row's cache
+        cap = min(self.block_size, max(s.remaining for s in rows))
+        width, drafted_rows, log_conf, draft_logits = 1, 0, [None] * len(rows), None
+        if self._want_draft(context, cap):
+            self._sync_drafter()
+            drafted_rows = self._draft_rows(cap)
+            draft_logits = self.draft.block_logits_batch(self.parts, anchors, drafted_rows,
+                                                         self.dcache)
+            log_conf = [draft_candidates(draft_logits[i], self.draft_columns, 1)[0][:, 0]
+                        for i in range(len(rows))]
+            for s, lc in zip(rows, log_conf):
+                s.conf = np.exp(lc.astype(np.float64))
+            if self.policy == "fixed":
+                width = drafted_rows
+            else:  # drafting is spent: speculate if verifying beats a plain step now
+                width, _ = batch_width([s.state.policy.acceptance.predict(s.conf) for s in rows],
+                                       self.cost, context, 0.0)
+                if width == 1:
+                    self._lost()
+        # Each row: its anchor and up to width - 1 proposals (padding after them is never read).
+        proposals, qs = [], []
+        for i, s in enumerate(rows):
+            k = min(width - 1, s.remaining - 1)
+            if k > 0:
+                props, q = self.draft.propose(draft_logits[i, :k], anchors[i], self.dcache,
+                                              s.request.sampler, s.state.history)
+                props = props.tolist()
+            else:
+                props, q = [], None
+            proposals.append(props)
+            qs.append(q)
+        drafted = time.perf_counter()
+        tokens = [[a] + p + [a] * (width - 1 - len(p)) for a, p in zip(anchors, proposals)]
+        trace = VerifyTrace()
+        logits, taps = forward(self.parts, mx.array(tokens), self.cache,
+                               self.draft.target_layer_ids, trace)
+        steps, keep = [], []
+        for i, s in enumerate(rows):
+            props = proposals[i]
+            a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
+                                                s.state.history)
+            s.state.fed += [anchors[i]] + props[:a]
+            s.state.commit_taps(taps[i:i + 1, :a + 1])
+            if props:
+                s.state.policy.record(log_conf[i], Plan(len(props)), a, None, drafted_rows)
+            else:
+                s.state.policy.record(None, None, 0, None, 0)
+            steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props))
+            keep.append(a + 1)
+        rollback_rows(self.cache, trace, keep, width)
+        mx.async_eval([c.state for c in self.cache])
+        if drafted_rows:
+            self.widths.append(width)
+        if width > 1 and self.policy == "auto":
+            self._judge(steps, context, drafted_rows, width)
+        t2 = time.perf_counter()
+        done = []
+        for s, step in zip(rows, steps):
+            count_step(s.stats, s.state, step, t0, t2)
+            response = emit(s.request, s.state, s.stats, s.detok, step.tokens, s.tic)
+            self._event(s, response, events)
+            done.append(response.finish_reason is not None)
+        self._keep([i for i, d in enumerate(done) if not d])
+
+    def _judge(self, steps: list[StepResult], context: int, drafted_rows: int,
+               width: int) -> None:
+        """After a speculative pass: did it beat plain steps? Half what the acceptance model
+        expected, half what was committed (as the single-sequence policy judges)."""
+        b = len(steps)
+        ms = self.cost.draft(b * drafted_rows) + self.cost.verify(b * width, context)
+        expected = sum(expected_tokens(s.state.policy.acceptance.predict(s.conf))[
+            min(width - 1, len(s.conf))] for s in self.rows)
+        committed = sum(len(step.tokens) for step in steps)
+        if 0.5 * (expected + committed) / ms < MARGIN * b / self.cost.verify(b, context):
+            self._lost()
+        else:
+            self.losses = 0
+
+    # -- targets that cannot be batched -------------------------------------------------------
+
+    def _step_one_at_a_time(self, events: list[BatchEvent]) -> None:
+        """The single-sequence engine for each sequence in turn, one cycle each per step."""
+        while self.queue and len(self.rows) < self.max_batch:
+            seq = self.queue.popleft()
+            seq.stream = run_request(self.parts, self.draft, self.tokenizer, seq.request)
+            self.rows.append(seq)
+        done = []
+        for seq in self.rows:
+            response = next(seq.stream)
+            seq.stats = response
+            self._event(seq, response, events)
+            done.append(response.finish_reason is not None)
+        self._keep([i for i, d in enumerate(done) if not d])
+
+
+def batch_generate(model, draft, tokenizer, prompts: Sequence[str | Sequence[int]], *,
+                   max_batch: int = 8, prefill_chunk: int = 256, block_size: int | None = None,
+                   policy: str = "auto", **settings) -> list[GenerationResult]:
+    """Generate for every prompt through one :class:`BatchGenerator`; results in input order.
+
+    ``settings`` are :func:`~dflash.speculative.stream_generate`'s (``max_tokens``,
+    ``temperature``, ``stop``, ...), the same for every prompt.
+    """
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=max_batch,
+                            prefill_chunk=prefill_chunk, block_size=block_size, policy=policy)
+    uids = [engine.insert(p, **settings) for p in prompts]
+    text: dict[int, list[str]] = {u: [] for u in uids}
+    tokens: dict[int, list[int]] = {u: [] for u in uids}
+    last: dict[int, DFlashResponse] = {}
+    while engine.active or engine.pending:
+        for e in engine.step():
+            text[e.uid].append(e.text)
+            tokens[e.uid].extend(e.tokens)
+            last[e.uid] = e.stats
+    return [GenerationResult("".join(text[u]), tokens[u], last[u].finish_reason, last[u])
+            for u in uids]

@@ -1,0 +1,150 @@
+"""A key/value cache for several sequences at once, each row with its own length.
+
+The batched engine (:mod:`dflash.batch`) verifies a block for every sequence in one target pass,
+then each sequence keeps a different number of those tokens. mlx-lm's ``BatchKVCache`` is
+left-padded with one shared write index: a row that keeps fewer tokens than another must be
+shifted (rolled) to stay right-aligned, a copy of its whole cache per cycle. Here rows are
+right-ragged instead:
+
+* row ``b`` holds its tokens in slots ``0 .. lengths[b] - 1``; a pass of ``n`` new tokens writes
+  row ``b``'s keys at slots ``lengths[b] ..`` (one scatter for the whole batch);
+* roll-back is :meth:`set_lengths`: slots past a row's length are stale and hidden by the mask
+  (:meth:`make_mask`), and the next pass overwrites them;
+* ``offset`` is the array of row lengths, which mlx-lm's attention modules hand to RoPE
+  (``self.rope(x, offset=cache.offset)``; ``mx.fast.rope`` takes one offset per batch row), so
+  every row is rotated at its own positions without touching mlx-lm.
+
+The mlx-lm attention modules call it through ``update_and_fetch`` and the model's mask through
+``make_mask``, like any mlx-lm cache. Sliding windows are not supported (the engine falls back
+to one sequence at a time for such targets).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class RaggedKVCache:
+    step = 256  # capacity grows in these steps, as mlx-lm's KVCache does
+
+    def __init__(self):
+        self.keys: mx.array | None = None  # (B, heads, capacity, head_dim)
+        self.values: mx.array | None = None
+        self.lengths: list[int] = []
+        self.offset = mx.array([], dtype=mx.int32)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values, self.offset]
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Keep only the first ``lengths[b]`` tokens of each row (roll-back, or commit a pass)."""
+        self.lengths = [int(n) for n in lengths]
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+
+    def _reserve(self, slots: int) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if slots <= capacity:
+            return
+        grown = -(-slots // self.step) * self.step
+        pad = [(0, 0), (0, 0), (0, grown - capacity), (0, 0)]
+        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``n`` new tokens per row after each row's own length; every row's slots up to
+        the longest row's new end (the mask hides what a row does not own)."""
+        n = keys.shape[2]
+        end = max(self.lengths) + n
+        self._reserve(end)
+        slots = (self.offset[:, None] + mx.arange(n)[None])[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape), values,
+                                        axis=2)
+        self.set_lengths([length + n for length in self.lengths])
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        end = max(self.lengths)
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None
+                  ) -> mx.array:
+        """``(B, 1, n, end)``: query ``j`` of row ``b`` (position ``lengths[b] + j``) sees slots
+        ``0 .. lengths[b] + j``: its context and the new tokens up to itself."""
+        if window_size is not None:
+            raise ValueError("RaggedKVCache has no sliding-window mask")
+        end = max(self.lengths) + n
+        last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
+        return mx.arange(end)[None, None, None, :] <= last
+
+    def context_mask(self) -> mx.array:
+        """``(B, 1, 1, end)``: which of :meth:`keys_and_values`' slots each row owns."""
+        end = max(self.lengths)
+        return mx.arange(end)[None, None, None, :] < self.offset[:, None, None, None]
+
+    # -- rows join and leave ----------------------------------------------------------------
+
+    def add(self, keys: mx.array, values: mx.array) -> None:
+        """A new row holding one sequence's ``(1, heads, length, head_dim)`` keys and values."""
+        length = keys.shape[2]
+        if self.keys is None:
+            capacity = max(self.step, -(-length // self.step) * self.step)
+            pad = [(0, 0), (0, 0), (0, capacity - length), (0, 0)]
+            self.keys, self.values = mx.pad(keys, pad), mx.pad(values, pad)
+        else:
+            self._reserve(length)
+            pad = [(0, 0), (0, 0), (0, self.keys.shape[2] - length), (0, 0)]
+            self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
+            self.values = mx.concatenate([self.values, mx.pad(values, pad)])
+        self.set_lengths(self.lengths + [length])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep rows ``rows`` (in that order); the capacity shrinks to what they need."""
+        lengths = [self.lengths[i] for i in rows]
+        if not rows:
+            self.keys = self.values = None
+            self.set_lengths([])
+            return
+        capacity = -(-max(lengths) // self.step) * self.step
+        index = mx.array(rows)
+        self.keys = self.keys[index, :, :capacity]
+        self.values = self.values[index, :, :capacity]
+        self.set_lengths(lengths)
+
+
+class RaggedArraysCache:
+    """A GatedDeltaNet layer's state for several sequences: the conv window ``(B, K-1, D)`` and
+    the recurrent state ``(B, H, Dv, Dk)``, indexed like mlx-lm's ``ArraysCache`` (``[0]``,
+    ``[1]``). Roll-back replays each row's accepted steps (:func:`dflash.target.rollback_rows`)."""
+
+    def __init__(self):
+        self.cache: list[mx.array | None] = [None, None]
+
+    def __getitem__(self, i: int) -> mx.array | None:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.cache[i] = value
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in self.cache if a is not None]
+
+    def add(self, conv: mx.array, recurrent: mx.array) -> None:
+        """A new row from one sequence's ``(1, ...)`` conv window and recurrent state."""
+        if self.cache[0] is None:
+            self.cache = [conv, recurrent]
+        else:
+            self.cache = [mx.concatenate([self.cache[0], conv]),
+                          mx.concatenate([self.cache[1], recurrent])]
+
+    def keep(self, rows: list[int]) -> None:
+        if not rows:
+            self.cache = [None, None]
+            return
+        index = mx.array(rows)
+        self.cache = [self.cache[0][index], self.cache[1][index]]

@@ -1,0 +1,300 @@
+"""The batched engine (dflash.batch): every request's output is what it would be alone.
+
+Greedy: token for token against mlx-lm's ``generate_step`` (the target alone) and the
+single-sequence engine, with prompts of different lengths, more prompts than ``max_batch``
+(queueing: sequences join mid-flight), different ``max_tokens`` (sequences leave mid-flight), stop
+strings, cancellations, and a planted drafter that agrees for some rows and not others, on
+attention (Llama, Qwen3) and hybrid (Qwen3.5: per-row GatedDeltaNet replay) targets. Sampled: the
+chi-square test of tests/test_sampling_stats.py, through the batched engine.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash.batch import BatchGenerator
+from dflash.errors import GenerationConfigError
+from dflash.model_mlx import batch_generate, generate
+
+PROMPT_LENGTHS = (3, 29, 11, 47, 6)
+MAX_TOKENS = (40, 12, 33, 40, 7)
+
+
+def prompts_for(tokenizer) -> list[list[int]]:
+    words = tokenizer.encode(" the sea, the sky and the long road home under a grey morning light"
+                             " while gulls circle over the harbour and boats come back" * 3)
+    return [words[i:i + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def alone(model, prompt, n) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def run_engine(engine: BatchGenerator, prompts, max_tokens, **settings):
+    """Insert every prompt, step to the end; tokens, finish reasons and last stats by uid."""
+    uids = [engine.insert(p, max_tokens=m, **settings) for p, m in zip(prompts, max_tokens)]
+    tokens = {u: [] for u in range(engine.next_uid)}  # earlier insertions too
+    finish, stats = {}, {}
+    while engine.active or engine.pending:
+        for e in engine.step():
+            assert e.uid not in finish, "an event after the sequence finished"
+            tokens[e.uid] += e.tokens
+            stats[e.uid] = e.stats
+            if e.finish_reason is not None:
+                finish[e.uid] = e.finish_reason
+    return [tokens[u] for u in uids], [finish[u] for u in uids], [stats[u] for u in uids]
+
+
+class BatchOracle:
+    """Wraps a real drafter; proposes each row's known continuation, with errors planted per
+    (cycle, row, block position): accept-all, accept-some and accept-none rows in one pass."""
+
+    def __init__(self, draft, references: dict[tuple, list[int]], plant):
+        self.inner, self.references, self.plant = draft, references, plant
+        self.cycle, self.engine = 0, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def block_logits_batch(self, target, anchors, block_len, cache):
+        real = self.inner.block_logits_batch(target, anchors, block_len, cache)
+        vocab = real.shape[-1]
+        planted = np.zeros((len(anchors), block_len - 1, vocab), np.float32)
+        for i, seq in enumerate(self.engine.rows):
+            full = self.references[tuple(seq.request.prompt_ids)]
+            pos = cache[0].lengths[i]  # the anchor's position
+            assert full[pos] == anchors[i]
+            for j in range(1, block_len):
+                tok = full[pos + j] if pos + j < len(full) else 0
+                if self.plant(self.cycle, i, j - 1):
+                    tok = (tok + 1) % vocab
+                planted[i, j - 1, tok] = 30.0
+        self.cycle += 1
+        return mx.array(planted) + 0 * real
+
+
+def mixed_plant(cycle, row, j):
+    return [j == 0, j == 2, False, j == (cycle % 5)][(cycle + row) % 4]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_greedy_equals_each_request_alone(kind, policy, loaded_pair):
+    model, tokenizer, draft = loaded_pair(kind)
+    prompts = prompts_for(tokenizer)
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=3, prefill_chunk=16,
+                            block_size=6, policy=policy)
+    # A sampled neighbour with penalties shares the passes; its settings stay its own.
+    sampled = engine.insert(prompts[0], max_tokens=20, temperature=1.0, top_k=50, seed=7,
+                            repetition_penalty=1.3)
+    progress = []
+    tokens, finish, stats = run_engine(engine, prompts, MAX_TOKENS,
+                                       prompt_progress_callback=lambda d, t: progress.append(d))
+    for p, m, out, why, st in zip(prompts, MAX_TOKENS, tokens, finish, stats):
+        assert out == alone(model, p, m)
+        assert why == "length" and st.generation_tokens == m and st.prompt_tokens == len(p)
+    assert len(tokens) == len(prompts) and max(progress) == max(PROMPT_LENGTHS)
+    assert sampled == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_5_wrapped", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_planted_partial_acceptance_stays_exact(kind, policy, loaded_pair):
+    model, tokenizer, draft = loaded_pair(kind)
+    prompts = prompts_for(tokenizer)
+    refs = {tuple(p): p + alone(model, p, m + 8) for p, m in zip(prompts, MAX_TOKENS)}
+    oracle = BatchOracle(draft, refs, mixed_plant)
+    engine = BatchGenerator(model, oracle, tokenizer, max_batch=4, prefill_chunk=8,
+                            block_size=6, policy=policy)
+    oracle.engine = engine
+    tokens, _, stats = run_engine(engine, prompts, MAX_TOKENS)
+    for p, m, out in zip(prompts, MAX_TOKENS, tokens):
+        assert out == refs[tuple(p)][len(p):len(p) + m]
+    taus = [st.mean_tau for st in stats if st.cycles]
+    # Proposals were accepted in every row, and partly rejected in most.
+    assert taus and min(taus) > 1.0 and sum(t < 6.0 for t in taus) >= len(taus) - 1
+    for st in stats:  # per-sequence statistics agree with the cycles
+        assert st.cycles + st.plain_steps >= 1
+        assert len(st.acceptance_by_position) == 5
+
+
+def test_stops_cancel_and_leaves_mid_flight(loaded_pair):
+    model, tokenizer, draft = loaded_pair("qwen3")
+    prompts = prompts_for(tokenizer)
+    texts = [tokenizer.decode(alone(model, p, 30)) for p in prompts]
+    stop = texts[2][len(texts[2]) // 2:][:3]  # a stop string in the middle of request 2's text
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=4, prefill_chunk=16,
+                            block_size=4, policy="fixed")
+    uids = [engine.insert(p, max_tokens=30, stop=stop) for p in prompts]
+    tokens, text, finish, steps = {u: [] for u in uids}, {u: "" for u in uids}, {}, 0
+    while engine.active or engine.pending:
+        if steps == 6:
+            engine.cancel(uids[1])
+        for e in engine.step():
+            tokens[e.uid] += e.tokens
+            text[e.uid] += e.text
+            if e.finish_reason is not None:
+                finish[e.uid] = e.finish_reason
+        steps += 1
+    tokens, text, finish = ([d[u] for u in uids] for d in (tokens, text, finish))
+    assert finish[1] == "cancelled"
+    for i in (0, 2, 3, 4):
+        expect = generate(model, draft, tokenizer, prompts[i], max_tokens=30, stop=stop)
+        assert text[i] == expect.text and finish[i] == expect.finish_reason
+        # A cycle's tokens past a stop string may differ with the cycle; never the target's.
+        assert tokens[i] == alone(model, prompts[i], len(tokens[i]))
+    assert finish[2] == "stop"
+    n_cancelled = len(tokens[1])
+    assert tokens[1] == alone(model, prompts[1], n_cancelled)  # what it had was exact
+
+
+def test_stop_token_ids_and_queue(loaded_pair):
+    model, tokenizer, draft = loaded_pair("llama")
+    prompts = prompts_for(tokenizer)
+    ref = alone(model, prompts[0], 20)
+    stop_id = ref[9]
+    out = batch_generate(model, draft, tokenizer, prompts, max_batch=2, max_tokens=20,
+                         stop_token_ids=[stop_id], policy="fixed", block_size=4)
+    for p, r in zip(prompts, out):
+        expect = generate(model, draft, tokenizer, p, max_tokens=20, stop_token_ids=[stop_id])
+        assert r.tokens == expect.tokens and r.text == expect.text
+        assert r.finish_reason == expect.finish_reason
+    assert out[0].finish_reason == "stop" and stop_id not in out[0].tokens
+
+
+def test_unbatchable_drafter_falls_back_to_one_at_a_time(loaded_pair, tiny_pair, tmp_path,
+                                                          capsys):
+    from tiny_models import write_drafter
+
+    from dflash.drafter import load_draft
+
+    model, tokenizer, _ = loaded_pair("llama")
+    target_path, _ = tiny_pair("llama")
+    draft = load_draft(write_drafter(tmp_path / "swa", target_path, taps=(0, 2), extra={
+        "layer_types": ["sliding_attention"], "sliding_window": 8}))
+    prompts = prompts_for(tokenizer)[:3]
+    out = batch_generate(model, draft, tokenizer, prompts, max_batch=2, max_tokens=16,
+                         policy="tree")  # every single-sequence policy works there
+    assert "one sequence at a time" in capsys.readouterr().err
+    for p, r in zip(prompts, out):
+        assert r.tokens == alone(model, p, 16)
+
+
+def test_bad_input_names_the_field(loaded_pair):
+    model, tokenizer, draft = loaded_pair("qwen3")
+    engine = BatchGenerator(model, draft, tokenizer, policy="fixed")
+    for settings, field in [({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"),
+                            ({"max_tokens": -3}, "max_tokens"), ({"block_size": 4}, "block_size"),
+                            ({"policy": "tree"}, "policy"), ({"bogus": 1}, "bogus"),
+                            ({"stop": [""]}, "stop")]:
+        with pytest.raises(GenerationConfigError, match=field):
+            engine.insert([1, 2, 3], **settings)
+    with pytest.raises(GenerationConfigError, match="prompt"):
+        engine.insert([])
+    with pytest.raises(GenerationConfigError, match="prompt"):
+        engine.insert([10**9])
+    assert engine.pending == 0  # nothing half-inserted
+    for kwargs, field in [({"max_batch": 0}, "max_batch"), ({"prefill_chunk": 0}, "prefill_chunk"),
+                          ({"policy": "tree"}, "policy"), ({"policy": "nope"}, "policy"),
+                          ({"block_size": 1}, "block_size")]:
+        with pytest.raises(GenerationConfigError, match=field):
+            BatchGenerator(model, draft, tokenizer, **kwargs)
+    # max_tokens=0: finishes at once, empty
+    assert batch_generate(model, draft, tokenizer, [[1, 2]], max_tokens=0)[0].tokens == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampled requests keep the target's distribution
+
+
+@pytest.mark.slow
+def test_sampled_batch_keeps_the_target_distribution(tmp_path):
+    import test_sampling_stats as st
+
+    from dflash.drafter import load_draft
+
+    model, dpath = st.sharp_target(tmp_path)
+    draft = load_draft(dpath)
+    settings = dict(st.CASES["card"])
+    joint = st.exact_joint(st.reference_next(st.target_logits(model, st.all_prefixes(st.K - 1)),
+                                             settings))
+    engine = BatchGenerator(model, draft, None, max_batch=8, block_size=st.BLOCK,
+                            policy="fixed")
+    uids = [engine.insert(st.PROMPT, max_tokens=st.K, seed=s, **settings) for s in range(st.N)]
+    tokens = {u: [] for u in uids}
+    cycles = accepted = 0
+    while engine.active or engine.pending:
+        for e in engine.step():
+            tokens[e.uid] += e.tokens
+            if e.finish_reason is not None:
+                cycles += e.stats.cycles
+                accepted += round(e.stats.mean_tau * e.stats.cycles) - e.stats.cycles
+    samples = np.array([tokens[u] for u in uids])
+    stat, df, p = st.chi_square(samples, joint)
+    print(f"\nbatched card/sample: chi2={stat:.1f} df={df} p={p:.3g} (90% power against "
+          f"chi-square divergence >= {st.detectable(df):.3f}); accepted {accepted} proposals "
+          f"in {cycles} cycles")
+    assert p >= st.ALPHA
+    assert accepted > 0.1 * cycles  # proposals were accepted and rejected: the paths ran
+
+    # Power: the same test catches a batch whose rows share random streams (four requests per
+    # seed: right marginals, correlated draws), a bug batching could bring.
+    engine = BatchGenerator(model, draft, None, max_batch=8, block_size=st.BLOCK,
+                            policy="fixed")
+    uids = [engine.insert(st.PROMPT, max_tokens=st.K, seed=s // 4, **settings)
+            for s in range(st.N)]
+    tokens = {u: [] for u in uids}
+    while engine.active or engine.pending:
+        for e in engine.step():
+            tokens[e.uid] += e.tokens
+    stat, df, p = st.chi_square(np.array([tokens[u] for u in uids]), joint)
+    print(f"shared random streams: chi2={stat:.1f} df={df} p={p:.3g}")
+    assert p < st.ALPHA
+
+
+# ---------------------------------------------------------------------------------------------
+# The verify width across the batch, and the concurrency benchmark
+
+
+def cpu_like_costs():
+    """A cost model shaped like this project's CPU measurement (flat to ~16 rows, then linear)."""
+    from dflash.cost_model import CostModel
+
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    verify = [10.0, 11.4, 12.5, 14.0, 17.0, 25.0, 45.0, 90.0, 180.0]
+    return CostModel(key="t", machine={}, rows=rows, contexts=[128], verify_ms=[verify],
+                     draft_rows=[2, 4, 8, 16], draft_ms=[1.5, 1.8, 2.3, 3.4])
+
+
+def test_batch_width_turns_into_plain_decoding_as_the_batch_grows():
+    from dflash.verify_policy import batch_width
+
+    cost = cpu_like_costs()
+    good = np.full(7, 0.7)  # a drafter right 70 % of the time at every row
+    widths = [batch_width([good] * b, cost, 128, cost.draft(4 * b))[0] for b in (1, 2, 4, 8, 32)]
+    assert widths[0] > 2 and widths[-1] == 1
+    assert widths == sorted(widths, reverse=True)  # never wider for a larger batch
+    # A drafter that is never right: plain steps even alone.
+    assert batch_width([np.full(7, 0.01)], cost, 128, cost.draft(8))[0] == 1
+
+
+def test_concurrency_bench_reports_both_engines(loaded_pair, tiny_pair):
+    from dflash.bench import format_concurrency, run_concurrency_bench
+    from dflash.pair import Pair
+
+    model, tokenizer, draft = loaded_pair("llama")
+    target_path, draft_path = tiny_pair("llama")
+    pair = Pair(model, tokenizer, draft, str(target_path), str(draft_path))
+    prompts = [{"id": f"p{i}", "prompt": text} for i, text in
+               enumerate(["Tell me about the sea.", "Count to five.", "Name a colour."])]
+    result = run_concurrency_bench(pair=pair, prompts=prompts, concurrency=2, max_tokens=12,
+                                   warmup=False)
+    assert result["identical"] is True  # greedy: mlx-lm's batching and ours agree (float32)
+    assert [len(t) for t in result["dflash"]["tokens"]] == [12, 12, 12]
+    assert result["dflash"]["generated"] == result["mlx_lm"]["generated"] == 36
+    assert result["ratio"] > 0 and result["dflash"]["ttft_p95"] >= result["dflash"]["ttft_p50"]
+    assert "mlx-lm batching" in format_concurrency(result)
