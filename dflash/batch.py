@@ -58,6 +58,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from .console import log
 from .cost_model import cost_model
 from .errors import GenerationConfigError
+from .prompt_cache import PromptCache
 from .ragged_cache import RaggedArraysCache, RaggedKVCache
 from .sampling import _is_int, check_decode_settings
 from .speculative import (
@@ -149,7 +150,8 @@ class BatchGenerator:
     """Continuous batching of speculative decoding; driven by one thread calling :meth:`step`."""
 
     def __init__(self, model, draft, tokenizer, *, max_batch: int = 8, prefill_chunk: int = 256,
-                 block_size: int | None = None, policy: str = "auto"):
+                 block_size: int | None = None, policy: str = "auto",
+                 prompt_cache: PromptCache | None = None):
         self.parts = target_parts(model)
         check_compatible(self.parts, draft)
         self.draft, self.tokenizer = draft, tokenizer
@@ -174,6 +176,9 @@ class BatchGenerator:
             else None
         self.draft_columns = (draft.head_cut(self.parts)[0]
                               if draft.config.draft_vocab_ids is not None else None)
+        # Shared prefixes (system prompts, earlier turns): each prompt is prefilled alone, so it
+        # can start from the caches of the last prompt prefilled (see PromptCache.take).
+        self.prompt_cache = prompt_cache
         self.queue: deque[_Sequence] = deque()
         self.prefilling: _Sequence | None = None
         self.rows: list[_Sequence] = []  # decoding; row i of the batch caches
@@ -240,16 +245,22 @@ class BatchGenerator:
         budget = self.prefill_chunk  # prompt tokens this step may prefill
         while budget > 0:
             if self.prefilling is None and self.queue and len(self.rows) < self.max_batch:
-                self.prefilling = self.queue.popleft()
-                self.prefilling.cache = make_cache(self.parts)
-                self.prefilling.dcache = self.draft.make_cache()
-                self.prefilling.tic = time.perf_counter()
+                self._start_prefill(self.queue.popleft())
             if self.prefilling is None:
                 break
             budget -= self._prefill_step(events, budget)
         if self.rows:
             self._cycle(events)
         return events
+
+    def _start_prefill(self, seq: _Sequence) -> None:
+        self.prefilling, seq.tic = seq, time.perf_counter()
+        if self.prompt_cache is None:
+            seq.cache, seq.dcache = make_cache(self.parts), self.draft.make_cache()
+            return
+        seq.cache, seq.dcache, seq.prefilled = self.prompt_cache.take(
+            self.parts, self.draft, seq.request.prompt_ids)
+        seq.stats.reused_prompt_tokens = seq.prefilled
 
     def _event(self, seq: _Sequence, response: DFlashResponse, events: list[BatchEvent]) -> None:
         if response.tokens or response.text or response.finish_reason is not None:
@@ -302,6 +313,9 @@ class BatchGenerator:
     def _joined(self, seq: _Sequence, last: mx.array, events: list[BatchEvent]) -> None:
         """A prompt is prefilled: its first token, then its caches join the batch as a row."""
         ids = seq.request.prompt_ids
+        if self.prompt_cache is not None:  # the next prompt may share a prefix with this one
+            self.prompt_cache.store(self.parts, self.draft, seq.cache, seq.dcache, ids)
+            self.prompt_cache.snapshot(len(ids))
         if seq.request.max_tokens == 0:
             self._event(seq, _snapshot(seq.stats, "", [], "length"), events)
             return

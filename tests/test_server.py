@@ -74,7 +74,10 @@ def launch_server(target, draft, log: Path, *extra: str):
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair(KIND)
-    with launch_server(target, draft, tmp_path_factory.mktemp("server") / "server.log") as s:
+    # One sequence at a time: these tests check the single-sequence engine's statistics, seeded
+    # samples and queueing (the batched server: test_server_batch.py).
+    with launch_server(target, draft, tmp_path_factory.mktemp("server") / "server.log",
+                       "--max-concurrency", "1") as s:
         yield s
 
 

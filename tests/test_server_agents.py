@@ -38,7 +38,7 @@ WEATHER = {"type": "function", "function": {
 ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The weather in a city.",
                      "input_schema": WEATHER["function"]["parameters"]}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-QUEUE, CONCURRENCY = 2, 3
+QUEUE, CONCURRENCY = 2, 1  # one at a time: the queue tests need a queue
 
 
 @pytest.fixture(scope="module")

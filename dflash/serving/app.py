@@ -45,7 +45,7 @@ from .openai_format import StreamFormat, full_response, model_card
 from .reasoning import ThinkSplitter, think_tags
 from .requests import CompletionRequest, ServedModel, config_error, parse_request, read_json
 from .tools import AnswerSplitter, ToolCallSplitter, tool_format
-from .worker import Job, Worker, default_max_concurrency
+from .worker import Job, Worker
 
 # Larger bodies get a 413 (no prompt that fits a context comes near it).
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -398,9 +398,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     from .metrics import Metrics
 
     worker = Worker(lambda: load_pair(model, draft, log=None if quiet else log), Metrics(),
-                    max_queue=max_queue).start()
-    worker.max_concurrency = max_concurrency or default_max_concurrency(
-        worker.pair, max_context or worker.pair.max_context)
+                    max_queue=max_queue, max_concurrency=max_concurrency,
+                    max_context=max_context, block_size=block_size).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
                   reasoning=reasoning)

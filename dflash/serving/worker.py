@@ -1,11 +1,18 @@
-"""The generation worker: one thread owns the model and runs queued jobs one at a time.
+"""The generation worker: one thread owns the model and runs every generation.
 
 MLX state (the model, its caches, the shared prompt cache) belongs to a single thread, so no two
 generations ever share it; the event loop talks to that thread only through each job's asyncio
 queue. A job whose client left is stopped at its next cycle, or skipped if it is still queued.
 Admission is first in, first out; ``max_queue`` jobs may wait, beyond that ``submit`` raises
-``QueueFull``. ``max_concurrency`` is how many sequences may decode together: stored for the
-batched engine, while this worker still runs one at a time (``batch_size`` is 0 or 1).
+``QueueFull``.
+
+``max_concurrency`` is how many sequences decode together. Above 1 the worker drives the batched
+engine (:class:`~dflash.batch.BatchGenerator`): jobs join it between engine steps while there is
+room and leave when they finish or their client goes, so one drafter pass and one target pass
+serve every active request (on this CPU 4 sequences x 4 rows cost what 1 x 16 does). A request
+that asks for its own block size, verify policy, ``min_confidence`` or tree budget cannot share
+the batch's: it waits for the batch to drain and runs alone through the single-sequence engine
+(trees included). ``max_concurrency`` 1 is the single-sequence engine for every request.
 This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelled job
 ``GenerationCancelled``, and a failed one re-raises the engine's own exception.
 """
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backend import compute_dtype, release_thread_streams
+from ..batch import ENGINE_SETTINGS, BatchEvent, BatchGenerator
 from ..errors import GenerationCancelled, QueueFull
 from ..prompt_cache import PromptCache
 from ..speculative import DFlashResponse, stream_generate
@@ -109,14 +117,18 @@ class Worker:
     """
 
     def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64,
-                 max_concurrency: int = 1):
+                 max_concurrency: int | None = 1, max_context: int | None = None,
+                 block_size: int | None = None):
         self.loader = loader
         self.metrics = metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: admission in arrival order
         self.max_queue = max_queue
         self.max_concurrency = max_concurrency
+        self.max_context = max_context  # for the memory-derived default of max_concurrency
+        self.block_size = block_size  # the served block size (None: the drafter's)
         self.pair = None
         self.current: Job | None = None
+        self.running: dict[int, Job] = {}  # batched jobs by engine uid
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
@@ -133,9 +145,9 @@ class Worker:
 
     def cancel_all(self) -> None:
         """Stop the running generation at its next cycle and drop every queued one."""
-        job = self.current
-        if job is not None:
-            job.cancel.set()
+        for job in [self.current, *list(self.running.values())]:
+            if job is not None:
+                job.cancel.set()
         kept = []
         while True:
             try:
@@ -163,12 +175,12 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None
+        return self.current is not None or bool(self.running)
 
     @property
     def batch_size(self) -> int:
-        """Sequences decoding now (this worker runs one at a time)."""
-        return int(self.current is not None)
+        """Sequences decoding (or prefilling) now."""
+        return len(self.running) or int(self.current is not None)
 
     def submit(self, job: Job) -> None:
         if self.jobs.qsize() >= self.max_queue:
@@ -207,46 +219,148 @@ class Worker:
             self._load_error = e
             self._ready.set()
             return
+        if self.max_concurrency is None:
+            self.max_concurrency = default_max_concurrency(
+                self.pair, self.max_context or self.pair.max_context)
         self._ready.set()
         # One worker serves every request, so one cache: shared prefixes (system prompts,
         # earlier turns) are not prefilled again.
         prompt_cache = PromptCache()
+        batch: BatchGenerator | None = None
+        solo: Job | None = None  # a job waiting for the batch to drain, to run alone
 
         while True:
-            job = self.jobs.get()
+            if self.max_concurrency > 1:
+                if batch is None:
+                    batch = BatchGenerator(self.pair.model, self.pair.draft, self.pair.tokenizer,
+                                           max_batch=self.max_concurrency,
+                                           block_size=self.block_size, prompt_cache=prompt_cache)
+                if solo is None:
+                    solo = self._admit(batch)
+                    if solo is False:  # shutting down
+                        self._drop_running()
+                        return
+                if self.running:
+                    if not self._batch_step(batch):
+                        batch = None  # its caches may be mid-update: start a fresh one
+                        prompt_cache.clear()
+                    continue
+                if solo is None:
+                    continue
+            job = solo if solo is not None else self.jobs.get()
+            solo = None
             if job is None:
                 return
             if job.cancel.is_set():  # its client left while it waited
                 self.metrics.cancelled_generation()
                 job.emit("cancelled")
                 continue
-            self.current = job
-            job.started = time.perf_counter()
-            last = None
+            self._run_alone(job, prompt_cache)
+
+    def _drop_running(self) -> None:
+        for job in self.running.values():
+            job.emit("cancelled")
+        self.running.clear()
+
+    def _batchable(self, job: Job, batch: BatchGenerator) -> bool:
+        """Whether the job's engine settings are the batch's (else it runs alone)."""
+        k = job.kwargs
+        return (k.get("block_size") in (None, batch.block_size)
+                and k.get("policy") in (None, batch.policy)
+                and not k.get("min_confidence") and k.get("tree_budget") is None)
+
+    def _admit(self, batch: BatchGenerator) -> Job | None | bool:
+        """Move queued jobs into the batch while it has room (waiting when nothing runs).
+
+        Returns a job that must run alone once the batch has drained (first in, first out: later
+        jobs wait behind it), ``False`` at shutdown, else ``None``."""
+        while len(self.running) < self.max_concurrency:
             try:
-                gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
-                                      job.prompt_ids, prompt_cache=prompt_cache, **job.kwargs)
-                for r in gen:
-                    last = r
-                    if job.first_token is None and r.tokens:
-                        job.first_token = time.perf_counter()
-                    job.emit("chunk", r)
-                    if job.cancel.is_set():
-                        gen.close()
-                        break
-                if job.cancel.is_set() and (last is None or last.finish_reason is None):
-                    self.metrics.cancelled_generation()
-                    job.emit("cancelled")
-                else:
-                    job.emit("done")
-            except Exception as e:  # reported to the client; the worker keeps serving
-                if not isinstance(e, ValueError):
-                    traceback.print_exc()
+                job = self.jobs.get(block=not self.running)
+            except queue.Empty:
+                return None
+            if job is None:
+                return False
+            if job.cancel.is_set():
+                self.metrics.cancelled_generation()
+                job.emit("cancelled")
+                continue
+            if not self._batchable(job, batch):
+                return job
+            try:
+                uid = batch.insert(job.prompt_ids, **{k: v for k, v in job.kwargs.items()
+                                                      if k not in ENGINE_SETTINGS})
+            except Exception as e:  # a bad request: reported to its client only
                 job.emit("error", e)
-            finally:
-                if last is not None:
-                    self.metrics.generation(last, **job_timing(job, last))
-                self.current = None
+                continue
+            job.started = time.perf_counter()
+            self.running[uid] = job
+        return None
+
+    def _batch_step(self, batch: BatchGenerator) -> bool:
+        """One engine step for every running job, events to their clients; False if it failed."""
+        for uid, job in self.running.items():
+            if job.cancel.is_set():
+                batch.cancel(uid)
+        try:
+            events = batch.step()
+        except Exception as e:  # the whole batch failed: every running job hears it
+            traceback.print_exc()
+            for job in self.running.values():
+                job.emit("error", e)
+            self.running.clear()
+            return False
+        for event in events:
+            self._deliver(event)
+        return True
+
+    def _deliver(self, event: BatchEvent) -> None:
+        job = self.running.get(event.uid)
+        if job is None:
+            return
+        last = event.stats
+        if event.finish_reason == "cancelled":
+            del self.running[event.uid]
+            self.metrics.cancelled_generation()
+            job.emit("cancelled")
+            return
+        if job.first_token is None and event.tokens:
+            job.first_token = time.perf_counter()
+        job.emit("chunk", last)
+        if event.finish_reason is not None:
+            del self.running[event.uid]
+            job.emit("done")
+            self.metrics.generation(last, **job_timing(job, last))
+
+    def _run_alone(self, job: Job, prompt_cache: PromptCache) -> None:
+        """The single-sequence engine for one job."""
+        self.current = job
+        job.started = time.perf_counter()
+        last = None
+        try:
+            gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
+                                  job.prompt_ids, prompt_cache=prompt_cache, **job.kwargs)
+            for r in gen:
+                last = r
+                if job.first_token is None and r.tokens:
+                    job.first_token = time.perf_counter()
+                job.emit("chunk", r)
+                if job.cancel.is_set():
+                    gen.close()
+                    break
+            if job.cancel.is_set() and (last is None or last.finish_reason is None):
+                self.metrics.cancelled_generation()
+                job.emit("cancelled")
+            else:
+                job.emit("done")
+        except Exception as e:  # reported to the client; the worker keeps serving
+            if not isinstance(e, ValueError):
+                traceback.print_exc()
+            job.emit("error", e)
+        finally:
+            if last is not None:
+                self.metrics.generation(last, **job_timing(job, last))
+            self.current = None
 
 
 def job_timing(job: Job, last: DFlashResponse) -> dict:
