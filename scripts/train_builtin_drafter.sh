@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The next built-in drafter: the new pipeline's long run (issue 11), resumable across sessions.
+#
+# Stages and their CPU cost on the project's 2-core machine (measured rates; a stage's CPU-hours
+# are wall hours x busy cores):
+#   1. prompts + responses: `bash scripts/build_training_data.sh` — magpie chat turns (~700 in
+#      ~0.5 CPU-h), then `dflash datagen` writes each response with its tap features and top-16
+#      from the same target passes: ~20 records/min at batch 32 on both cores when the machine is
+#      free (~1.7 CPU-h per 1,000 records of <= 384 tokens; no second feature pass — the old
+#      pipeline spent ~2.3 CPU-h on features for 1,900 records).
+#   2. this script: train on every record that has features (math + chat so far; code when
+#      generated), 2 layers, block 16, the recipe's defaults otherwise, stopping at 12 CPU-hours of
+#      the process's own CPU time (`--cpu-budget`, carried across `--resume`), held-out math τ every
+#      250 steps in $OUT/train/metrics.jsonl beside `cpu_s` (the τ-against-CPU-hours curve).
+#   3. `dflash convert --quantize --q-bits 6 --q-group-size 64` and `scripts/train_eval_tau.py`, as in
+#      scripts/reproduce_default_drafter.sh steps 4-5.
+# Rerun this script to continue (it resumes when $OUT/train exists). Features of both data folders
+# are hard-linked into one feature cache (rerun picks up new records).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export DFLASH_HOME=${DFLASH_HOME:-$HOME/.cache/dflash}
+D=$DFLASH_HOME/data/smollm2
+OUT=${OUT:-$DFLASH_HOME/runs/final-v1}
+SIG=taps-1-8-14-20-27_top16
+mkdir -p "$D/features-all/$SIG"
+for src in "$D"/gen-*/features/$SIG; do
+  [ -d "$src" ] || continue
+  (cd "$src" && find . -name "*.npz" -exec sh -c \
+     'for f; do mkdir -p "$0/$(dirname "$f")"; ln -f "$f" "$0/$f"; done' "$D/features-all/$SIG" {} +)
+done
+DATA=$D/gen-math,$D/gen-chat  # the run started on these two; code joins in a new run
+RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
+exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
+  --feature-cache "$D/features-all" --only-cached --no-progress \
+  --layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix --soft-weight 0.5 \
+  --soft-topk 16 --steps 12000 --cpu-budget 43200 --checkpoint-every 50 --eval-every 250 \
+  --eval-prompts "$D/gsm8k-heldout.jsonl" --eval-n 4 --eval-block-sizes 16 --seed 0
