@@ -410,8 +410,8 @@ def full_logits(scores: mx.array, ids: mx.array | None, vocab_size: int) -> mx.a
     """Scores over the draft vocabulary ``ids`` as logits over all ``vocab_size`` ids."""
     if ids is None:
         return scores
-    logits = mx.full((scores.shape[0], vocab_size), -mx.inf, dtype=scores.dtype)
-    logits[:, ids] = scores
+    logits = mx.full((*scores.shape[:-1], vocab_size), -mx.inf, dtype=scores.dtype)
+    logits[..., ids] = scores
     return logits
 
 

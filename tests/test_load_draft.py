@@ -270,3 +270,20 @@ def test_cut_vocabulary_scores_and_every_proposal_path_stay_exact(tmp_path, tiny
         got = generate(model, draft, tokenizer, prompt, max_tokens=40, logit_bias=bias,
                        policy=policy)
         assert got.tokens == want, policy
+
+
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_restricted_draft_vocabulary_in_the_batched_engine(policy, tmp_path, tiny_pair,
+                                                           loaded_pair):
+    """The batched drafter pass maps a cut vocabulary's scores back for every row of the batch."""
+    from dflash.model_mlx import batch_generate
+
+    target, _ = tiny_pair("qwen3")
+    model, tokenizer, full_draft = loaded_pair("qwen3")
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7], [4, 4, 2, 11, 3]]
+    refs = [generate(model, full_draft, tokenizer, p, max_tokens=24).tokens for p in prompts]
+    vocab = sorted({t for r in refs for t in r[::2]} | {7, 8, 9})
+    draft = cut_drafter(tmp_path, target, vocab)
+    results = batch_generate(model, draft, tokenizer, prompts, max_batch=3, max_tokens=24,
+                             policy=policy)
+    assert [r.tokens for r in results] == refs
