@@ -26,6 +26,11 @@ mkdir -p "$D"
 # On a new machine, start from the token records kept in the repository (datasets/smollm2/):
 # datagen skips them; training recomputes their features (dflash train --features-only).
 ls "$D"/gen-*/gen-*.jsonl >/dev/null 2>&1 || $PY scripts/snapshot_training_data.py "$D" --restore
+# The magpie prompts too (the held-out chat turns among them): the same turns on every machine.
+for f in chat-prompts chat-prompts-heldout; do
+  [ -f "$D/$f.jsonl" ] || [ ! -f "datasets/smollm2/$f.jsonl.gz" ] || \
+    gunzip -c "datasets/smollm2/$f.jsonl.gz" > "$D/$f.jsonl"
+done
 
 lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
 magpie_upto() {  # magpie_upto OUT TOTAL [ARGS...]: top the prompt file up to TOTAL turns (resumable)
