@@ -3,12 +3,12 @@
 #   1. the auto policy on the held-out mix (GSM8K, chat, HumanEval) against mlx-lm;
 #   2. a drafter that never agrees (random weights): speculation must step aside (>= 0.97x);
 #   3. the engine's cycle against z-lab's MLX loop (PyPI dflash 0.1.0) at a fixed 16-row chain.
-# Outputs under ${OUT:-/tmp/dflash-policy-bench}; step 3 needs PyPI once (pip install --target).
+# Outputs under ${OUT:-$DFLASH_HOME/bench/policy}; step 3 needs PyPI once (pip install --target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/dflash-policy-bench}
-ZLAB=${ZLAB:-/tmp/zlab}
+OUT=${OUT:-${DFLASH_HOME:-$HOME/.cache/dflash}/bench/policy}
+ZLAB=${ZLAB:-${DFLASH_HOME:-$HOME/.cache/dflash}/zlab}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 # The auto policy decides with the cached cost model: measure it now, on this quiet machine (one

@@ -24,8 +24,8 @@ MLX's CPU matmuls use a reference BLAS.
 
 z-lab's package is also called ``dflash``; install it apart and point ``--zlab`` at it:
 
-    pip install --target /tmp/zlab --no-deps dflash==0.1.0
-    python scripts/bench_zlab_cycle.py --zlab /tmp/zlab [--prompts docs/bench/heldout-mix.jsonl]
+    pip install --target "$DFLASH_HOME/zlab" --no-deps dflash==0.1.0
+    python scripts/bench_zlab_cycle.py [--zlab FOLDER] [--prompts docs/bench/heldout-mix.jsonl]
         [--limit 6] [--max-tokens 96] [--block-size 16] [--repeats 2] [--zlab-draft float32]
 
 Its code is only imported and called here (as ``zlab_dflash``), never copied.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -132,8 +133,10 @@ def spread(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--zlab", type=Path, default=Path("/tmp/zlab"),
-                    help="folder holding z-lab's `dflash` package (pip install --target)")
+    home = Path(os.environ.get("DFLASH_HOME", Path.home() / ".cache" / "dflash"))
+    ap.add_argument("--zlab", type=Path, default=home / "zlab",
+                    help="folder holding z-lab's `dflash` package (pip install --target; "
+                         "default $DFLASH_HOME/zlab)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompts", default="docs/bench/heldout-mix.jsonl")
