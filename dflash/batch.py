@@ -401,8 +401,10 @@ class BatchGenerator:
             drafted_rows = self._draft_rows(cap)
             draft_logits = self.draft.block_logits_batch(self.parts, anchors, drafted_rows,
                                                          self.dcache)
-            log_conf = [draft_candidates(draft_logits[i], self.draft_columns, 1)[0][:, 0]
-                        for i in range(len(rows))]
+            # Every row's top log-probabilities in one host read (not one per sequence).
+            batch_rows, block_rows, vocab = draft_logits.shape
+            top = draft_candidates(draft_logits.reshape(-1, vocab), self.draft_columns, 1)[0]
+            log_conf = list(top[:, 0].reshape(batch_rows, block_rows))
             for s, lc in zip(rows, log_conf):
                 s.conf = np.exp(lc.astype(np.float64))
             if self.policy == "fixed":
