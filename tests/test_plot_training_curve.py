@@ -1,0 +1,58 @@
+"""scripts/plot_training_curve.py: the τ-against-CPU-hours table, plot and extrapolation of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "plot_training_curve.py"
+
+
+def write_metrics(path: Path, points, a=0.7, b=0.5) -> None:
+    """Training-log records with a held-out τ every few steps, on τ = a + b·ln(pipeline hours)."""
+    with path.open("w") as f:
+        for i, hours in enumerate(points):
+            f.write(json.dumps({"step": 10 * i + 5, "cpu_s": hours * 3600 - 60, "loss": 1.0}) + "\n")
+            tau = a + b * math.log(hours + 1.0)  # + the data's 1 CPU-hour
+            f.write(json.dumps({"step": 10 * i + 10, "cpu_s": hours * 3600, "tau_b16": tau}) + "\n")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True)
+
+
+def test_table_fit_and_plot(tmp_path):
+    metrics = tmp_path / "run" / "train" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    write_metrics(metrics, [0.6, 1.0, 2.0, 4.0, 8.0])
+    out = run(metrics, "--data-cpu-hours", 1.0, "--reference-tau", 1.5, "--reference-cpu-hours",
+              9, "--out", tmp_path / "docs" / "curve")
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "docs" / "curve.md").read_text()
+    rows = [r for r in md.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["10", "20", "30", "40", "50"]
+    assert "| 20 | 1.00 | 2.00 | 1.047 |" in md  # 0.7 + 0.5 ln 2
+    # The fit recovers the curve, and the targets are where it crosses them.
+    assert "τ ≈ 0.700 + 0.500·ln(CPU-h)" in md
+    assert f"- τ 3.0: ~{math.exp(2.3 / 0.5):,.1f} CPU-h" in md
+    # τ 1.505 at 4 + 1 pipeline hours is the first at or above the reference 1.5: 9 / 5 = 1.8
+    assert "first reached it at 5.00 CPU-h (1.8× less)" in md
+    assert (tmp_path / "docs" / "curve.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"step": 1, "cpu_s": 3}\n', "no record with 'tau_b16'"),
+    ('{"step": 1, "cpu_s": 3}\nnot json\n', "metrics.jsonl:2: not JSON"),
+])
+def test_a_log_without_evaluations_is_refused_by_line(tmp_path, content, message):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(content)
+    out = run(metrics, "--out", tmp_path / "curve")
+    assert out.returncode != 0 and message in out.stderr
+    assert not (tmp_path / "curve.md").exists()
