@@ -42,6 +42,7 @@ magpie_upto() {  # magpie_upto OUT TOTAL [ARGS...]: top the prompt file up to TO
 gen() {  # gen PROMPTS OUT DOMAIN LIMIT
   $PY -m dflash datagen --prompts "$1" --out "$2" --domain "$3" --limit "$4" \
       --max-tokens 384 --batch-size "$BATCH" --no-progress
+  bash scripts/link_features.sh "$D"  # a running final training picks them up (--refresh-data)
 }
 
 # Chat first: the drafter has seen no chat at all, and chat is where it loses to plain decoding.

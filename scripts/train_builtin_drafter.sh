@@ -8,9 +8,10 @@
 #      from the same target passes: ~20 records/min at batch 32 on both cores when the machine is
 #      free (~1.7 CPU-h per 1,000 records of <= 384 tokens; no second feature pass — the old
 #      pipeline spent ~2.3 CPU-h on features for 1,900 records).
-#   2. this script: train on every record that has features (math + chat so far; code when
-#      generated), 2 layers, block 16, the recipe's defaults otherwise, stopping at 12 CPU-hours of
-#      the process's own CPU time (`--cpu-budget`, carried across `--resume`), held-out math τ every
+#   2. this script: train on every record that has features (math, chat and code; records
+#      generated during the run join at epoch boundaries), 2 layers, block 16, the recipe's
+#      defaults otherwise (7,500 cosine steps: ~5.9 CPU-s each, so the schedule ends near the
+#      budget), stopping at 12 CPU-hours of the process's own CPU time (`--cpu-budget`, carried across `--resume`), held-out math τ every
 #      250 steps in $OUT/train/metrics.jsonl beside `cpu_s` (the τ-against-CPU-hours curve).
 #   3. `dflash convert --quantize --q-bits 6 --q-group-size 64` and `scripts/train_eval_tau.py`, as in
 #      scripts/reproduce_default_drafter.sh steps 4-5.
@@ -21,18 +22,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export DFLASH_HOME=${DFLASH_HOME:-$HOME/.cache/dflash}
 D=$DFLASH_HOME/data/smollm2
-OUT=${OUT:-$DFLASH_HOME/runs/final-v1}
-SIG=taps-1-8-14-20-27_top16
-mkdir -p "$D/features-all/$SIG"
-for src in "$D"/gen-*/features/$SIG; do
-  [ -d "$src" ] || continue
-  (cd "$src" && find . -name "*.npz" -exec sh -c \
-     'for f; do mkdir -p "$0/$(dirname "$f")"; ln -f "$f" "$0/$f"; done' "$D/features-all/$SIG" {} +)
-done
-DATA=$D/gen-math,$D/gen-chat  # the run started on these two; code joins in a new run
+OUT=${OUT:-$DFLASH_HOME/runs/final-v2}
+bash scripts/link_features.sh "$D"  # every data folder's features, hard-linked into one cache
+# final-v1 (math + chat, 0.4 CPU-h) was stopped when code records arrived: final-v2 trains on all
+# three domains from the start, and takes records generated while it runs at epoch boundaries
+# (build_training_data.sh links their features in as it goes).
+DATA=$D/gen-math,$D/gen-chat,$D/gen-code
 RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
 exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
-  --feature-cache "$D/features-all" --only-cached --no-progress \
+  --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
   --layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix --soft-weight 0.5 \
-  --soft-topk 16 --steps 12000 --cpu-budget 43200 --checkpoint-every 50 --eval-every 250 \
+  --soft-topk 16 --steps 7500 --cpu-budget 43200 --checkpoint-every 50 --eval-every 250 \
   --eval-prompts "$D/gsm8k-heldout.jsonl" --eval-n 4 --eval-block-sizes 16 --seed 0
