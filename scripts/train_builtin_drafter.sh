@@ -10,13 +10,13 @@
 #      pipeline spent ~2.3 CPU-h on features for 1,900 records).
 #   2. this script: train on every record that has features (math, chat and code; records
 #      generated during the run join at epoch boundaries), 2 layers, block 16, the recipe's
-#      defaults otherwise (7,500 cosine steps: ~5.9 CPU-s each, so the schedule ends near the
-#      budget), stopping at 12 CPU-hours of the process's own CPU time (`--cpu-budget`, carried across `--resume`), held-out math τ every
-#      250 steps in $OUT/train/metrics.jsonl beside `cpu_s` (the τ-against-CPU-hours curve).
-#   3. `dflash convert --quantize --q-bits 6 --q-group-size 64` and `scripts/train_eval_tau.py`, as in
-#      scripts/reproduce_default_drafter.sh steps 4-5.
-# Rerun this script to continue (it resumes when $OUT/train exists). Features of both data folders
-# are hard-linked into one feature cache (rerun picks up new records).
+#      defaults otherwise (7,500 cosine steps at ~5.9 CPU-s each: the schedule ends near the
+#      budget), stopping at 12 CPU-hours of the process's own CPU time (`--cpu-budget`, carried
+#      across `--resume`), held-out math τ every 250 steps in $OUT/train/metrics.jsonl beside
+#      `cpu_s`: `python scripts/plot_training_curve.py` turns it into the τ-against-CPU-hours plot.
+#   3. `dflash convert --quantize --q-bits 6 --q-group-size 64` and `scripts/train_eval_tau.py`, as
+#      in scripts/reproduce_default_drafter.sh steps 4-5.
+# Rerun this script to continue (it resumes when $OUT/train exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
