@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -168,6 +169,9 @@ class Ablation:
         drafter = self.root / "runs" / run.name
         env = dict(os.environ, PYTHONPATH=str(REPO))
         state = last_state(drafter)
+        if state is None and drafter.exists():  # killed before its first checkpoint
+            print(f"[{run.name}] no checkpoint in {drafter}: starting it again", flush=True)
+            shutil.rmtree(drafter)
         if state is None or state.get("cpu_seconds", 0) < a.cpu_budget:
             cmd = train_command(run, data[run.data], drafter, a.cpu_budget, state is not None)
             print(f"[{run.name}] {shown(cmd)}", flush=True)
