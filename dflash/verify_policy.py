@@ -22,6 +22,13 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   below a plain one-token step's by a 10 % margin, the next cycles are plain target steps (no drafter block pass; the drafter's context is
   still fed the new features), for a stretch that doubles while speculation keeps losing; then one
   speculative cycle probes again and decides afresh.
+* **A probe pays only for its draft while it keeps losing.** In a losing streak a probe drafts
+  ``MIN_DRAFT_ROWS`` rows, and when even its best plan is expected to commit fewer tokens per ms
+  than a plain step, it verifies nothing: the cycle becomes the first plain step of the next
+  stretch. The streak's first probe, and every probe once the stretches are ``MAX_BACKOFF`` long,
+  is verified, so that the calibration keeps learning.
+  Measured on a drafter that never agrees: a verified losing probe cost ~1.8 plain steps for one
+  token, a 16-row draft plus a 2-row verify (docs/bench/heldout-auto-v2.md).
 
 Exactness: the cut depends only on the drafter's distributions and on past cycles, never on the
 tokens drawn in this cycle, so greedy output is the target's and rejection sampling stays exact.
@@ -49,6 +56,7 @@ PRIOR = 0.5  # pseudo-observations of the raw confidence per bin (a drafter can 
 ROW_PRIOR = 4.0  # pseudo-observations of the bin's all-rows estimate per row
 EMA = 0.5  # weight of the newest cycle in the running speculative rate
 MAX_BACKOFF = 64
+MIN_DRAFT_ROWS = 4  # rows of the smallest drafter block pass (anchor included), a probe's
 # Speculation must beat a plain step by this factor: the cost model times the passes, not the
 # host work around them (candidates, planning, bookkeeping), and its estimates are noisy.
 MARGIN = 1.1
@@ -197,6 +205,7 @@ class Plan:
 
     rows: int
     tree: DraftTree | None = None
+    plain: bool = False  # verify nothing: a plain target step is expected to commit more per ms
 
 
 @dataclass
@@ -206,6 +215,7 @@ class PolicyStats:
     speculative_cycles: int = 0
     tree_cycles: int = 0
     plain_steps: int = 0
+    unverified_probes: int = 0  # drafter passes whose block was not worth verifying
     rows_verified: int = 0  # target rows over all passes (anchor included)
 
     @property
@@ -254,9 +264,13 @@ class VerifyPolicy:
 
     def draft_rows(self, block: int) -> int:
         """Rows of the drafter's block pass (anchor included)."""
-        if self.name != "auto" or not self.depths:
+        if self.name != "auto":
             return block
-        return max(2, min(block, max(4, max(self.depths) + 3)))
+        if self.losses:  # a probe in a losing streak: its plan is most likely no plan at all
+            return min(block, MIN_DRAFT_ROWS)
+        if not self.depths:
+            return block
+        return max(2, min(block, max(MIN_DRAFT_ROWS, max(self.depths) + 3)))
 
     def plain_stretch(self, context: int) -> int:
         """Plain one-token target steps to take now, before the next speculative cycle (0:
@@ -285,17 +299,24 @@ class VerifyPolicy:
             [draft_ms + self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)])
         best = Plan(int(np.argmax(chain)) + 1)
         self.expected = float(chain.max())
-        if not self.budgets or log_probs.shape[1] < 2:
-            return best
-        tree = build_tree(log_probs, ids, max(self.budgets), anchor)
-        gain = 1.0 + np.cumsum(tree_node_probs(tree, p, self.nodes))
-        budgets = [b for b in self.budgets if b < len(tree)]
-        value = [gain[b - 1] / (draft_ms + self.cost.verify(b + 1, self.context)) for b in budgets]
-        if value and max(value) > chain.max():
-            b = budgets[int(np.argmax(value))]
-            if not tree.prefix(b).is_chain():
-                self.expected = float(max(value))
-                return Plan(0, tree.prefix(b))
+        if self.budgets and log_probs.shape[1] >= 2:
+            tree = build_tree(log_probs, ids, max(self.budgets), anchor)
+            gain = 1.0 + np.cumsum(tree_node_probs(tree, p, self.nodes))
+            budgets = [b for b in self.budgets if b < len(tree)]
+            value = [gain[b - 1] / (draft_ms + self.cost.verify(b + 1, self.context))
+                     for b in budgets]
+            if value and max(value) > chain.max():
+                b = budgets[int(np.argmax(value))]
+                if not tree.prefix(b).is_chain():
+                    self.expected = float(max(value))
+                    best = Plan(0, tree.prefix(b))
+        # In a losing streak, a block whose best plan loses to a plain step is not verified: its
+        # verify rows would most likely only confirm the loss (the drafter pass is spent either
+        # way). Once the stretches are MAX_BACKOFF long every probe is verified again, so that the
+        # calibration keeps learning and speculation comes back when the text changes.
+        if (self.losses and 2 ** self.losses < MAX_BACKOFF
+                and self.expected * self.cost.verify(1, self.context) < 1.0):
+            return Plan(0, plain=True)
         return best
 
     # -- after verifying ----------------------------------------------------------------------
@@ -303,10 +324,15 @@ class VerifyPolicy:
     def record(self, log_conf: np.ndarray | None, plan: Plan | None, accepted: int,
                path: list[int] | None, draft_rows: int) -> None:
         """Learn from a cycle (``plan is None``: a plain step): ``accepted`` tokens were kept;
-        for a tree, along ``path`` (node indices)."""
+        for a tree, along ``path`` (node indices). A ``plain`` plan (nothing verified) counts
+        as a losing probe; the plain steps taken instead are recorded one by one."""
         if plan is None:
             self.stats.plain_steps += 1
             self.stats.rows_verified += 1
+            return
+        if plan.plain:
+            self.stats.unverified_probes += 1
+            self._lost()
             return
         self.stats.speculative_cycles += 1
         if plan.tree is not None:
@@ -333,11 +359,15 @@ class VerifyPolicy:
         self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
         # A losing cycle counts at once; the average keeps one lucky cycle from hiding a trend.
         if min(self.rate, rate) < MARGIN / self.cost.verify(1, self.context):
-            self.losses += 1
-            self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
-            self.rate = None  # the probe after the plain stretch decides afresh
+            self._lost()
         else:
             self.losses = 0
+
+    def _lost(self) -> None:
+        """Speculation lost this cycle: a plain stretch twice as long as the last one."""
+        self.losses += 1
+        self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
+        self.rate = None  # the probe after the plain stretch decides afresh
 
 
 # ---------------------------------------------------------------------------------------------
