@@ -15,8 +15,8 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   of ``B`` nodes (:mod:`dflash.tree`, attention-only targets) is worth ``(1 + sum of its nodes'
   calibrated path probabilities) / (draft + verify(B + 1))``; the best of all is verified.
 * **Draft only what is verified.** The drafter's block pass covers the deepest row the last few
-  plans used plus two (at least 4, at most the block): on the CPU a 16-row draft pass costs ~3x a
-  4-row one and most of those rows were never verified.
+  plans used plus two (at least 4, at most the block; the first cycle drafts 4): on the CPU a
+  16-row draft pass costs ~3x a 4-row one and most of those rows were never verified.
 * **No speculation when it loses.** When the committed tokens per second of recent speculative
   cycles (half the calibrated estimate of the plans chosen, half what they really committed) fall
   below a plain one-token step's by a 10 % margin, the next cycles are plain target steps (no drafter block pass; the drafter's context is
@@ -266,10 +266,11 @@ class VerifyPolicy:
         """Rows of the drafter's block pass (anchor included)."""
         if self.name != "auto":
             return block
-        if self.losses:  # a probe in a losing streak: its plan is most likely no plan at all
+        # The first cycle knows nothing of this drafter (its plan trusts the raw confidence, and
+        # a random drafter's is ~0.97: it verified a 17-node tree), and a probe in a losing
+        # streak most likely verifies nothing: the smallest pass.
+        if self.losses or not self.depths:
             return min(block, MIN_DRAFT_ROWS)
-        if not self.depths:
-            return block
         return max(2, min(block, max(MIN_DRAFT_ROWS, max(self.depths) + 3)))
 
     def plain_stretch(self, context: int) -> int:

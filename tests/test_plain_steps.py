@@ -211,10 +211,10 @@ def confident(rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 def test_a_losing_streak_drafts_little_and_stops_verifying_until_the_longest_stretch():
     policy = losing_policy()
-    assert policy.draft_rows(16) == 16
-    plan = policy.plan(*confident(15), anchor=0, draft_rows=16)
+    assert policy.draft_rows(16) == MIN_DRAFT_ROWS  # nothing known of the drafter yet
+    plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
     assert not plan.plain  # the streak's first probe is verified, whatever it expects
-    policy.record(confident(15)[0][:, 0], plan, 0, None, 16)
+    policy.record(confident(3)[0][:, 0], plan, 0, None, 4)
     assert policy.losses == 1 and policy.plain_stretch(128) == 2
     stretches = []
     while 2 ** policy.losses < MAX_BACKOFF:
@@ -229,9 +229,13 @@ def test_a_losing_streak_drafts_little_and_stops_verifying_until_the_longest_str
     assert not policy.plan(*confident(3), anchor=0, draft_rows=4).plain
 
 
-def test_a_probe_expected_to_win_is_verified():
+def test_a_probe_expected_to_win_is_verified_and_a_winning_cycle_drafts_deeper():
     policy = VerifyPolicy("auto", 16, cost(FLAT_COST))
-    policy.plain_stretch(128)
     policy._lost()
+    assert policy.plain_stretch(128) == 2  # the stretch is taken; then the probe
     log_probs = np.log(np.full((3, 1), 0.999))
-    assert not policy.plan(log_probs, np.arange(3)[:, None], anchor=0, draft_rows=4).plain
+    plan = policy.plan(log_probs, np.arange(3)[:, None], anchor=0, draft_rows=4)
+    assert not plan.plain and plan.rows == 3
+    policy.record(log_probs[:, 0], plan, 3, None, 4)  # all accepted: the streak is over
+    assert policy.losses == 0 and policy.plain_stretch(128) == 0
+    assert policy.draft_rows(16) == 3 + 3  # the deepest recent plan and two more rows
