@@ -23,10 +23,10 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   still fed the new features), for a stretch that doubles while speculation keeps losing; then one
   speculative cycle probes again and decides afresh.
 * **A probe pays only for its draft while it keeps losing.** In a losing streak a probe drafts
-  ``MIN_DRAFT_ROWS`` rows, and when even its best plan is expected to commit fewer tokens per ms
-  than a plain step, it verifies nothing: the cycle becomes the first plain step of the next
-  stretch. The streak's first probe, and every probe once the stretches are ``MAX_BACKOFF`` long,
-  is verified, so that the calibration keeps learning.
+  ``MIN_DRAFT_ROWS`` rows; when the drafter has not agreed once in the streak and even the best
+  plan is expected to commit fewer tokens per ms than a plain step, it verifies nothing: the
+  cycle becomes the first plain step of the next stretch. The streak's first ``VERIFIED_LOSSES`` cycles, and every probe once the stretches are
+  ``MAX_BACKOFF`` long, are verified, so that the calibration keeps learning.
   Measured on a drafter that never agrees: a verified losing probe cost ~1.8 plain steps for one
   token, a 16-row draft plus a 2-row verify (docs/bench/heldout-auto-v2.md).
 
@@ -57,6 +57,7 @@ ROW_PRIOR = 4.0  # pseudo-observations of the bin's all-rows estimate per row
 EMA = 0.5  # weight of the newest cycle in the running speculative rate
 MAX_BACKOFF = 64
 MIN_DRAFT_ROWS = 4  # rows of the smallest drafter block pass (anchor included), a probe's
+VERIFIED_LOSSES = 2  # losing cycles verified before a probe expected to lose verifies nothing
 # Speculation must beat a plain step by this factor: the cost model times the passes, not the
 # host work around them (candidates, planning, bookkeeping), and its estimates are noisy.
 MARGIN = 1.1
@@ -251,6 +252,7 @@ class VerifyPolicy:
         self.depths: deque[int] = deque(maxlen=8)  # deepest row of recent plans
         self.backoff = 0  # plain steps still to take
         self.losses = 0  # consecutive losing probes
+        self.agreed = False  # a verified cycle of this losing streak accepted a proposal
         self.stats = PolicyStats()
 
     @property
@@ -311,11 +313,14 @@ class VerifyPolicy:
                 if not tree.prefix(b).is_chain():
                     self.expected = float(max(value))
                     best = Plan(0, tree.prefix(b))
-        # In a losing streak, a block whose best plan loses to a plain step is not verified: its
-        # verify rows would most likely only confirm the loss (the drafter pass is spent either
-        # way). Once the stretches are MAX_BACKOFF long every probe is verified again, so that the
-        # calibration keeps learning and speculation comes back when the text changes.
-        if (self.losses and 2 ** self.losses < MAX_BACKOFF
+        # A drafter that has not agreed once in a losing streak: a block whose best plan loses
+        # to a plain step is not verified, its verify rows would most likely only confirm the
+        # loss (the drafter pass is spent either way). The streak's first two cycles are verified
+        # (one unlucky cycle is no evidence), and once the stretches are MAX_BACKOFF long every
+        # probe is verified again, so that the calibration keeps learning and speculation comes
+        # back when the text changes.
+        if (VERIFIED_LOSSES <= self.losses and not self.agreed
+                and 2 ** self.losses < MAX_BACKOFF
                 and self.expected * self.cost.verify(1, self.context) < 1.0):
             return Plan(0, plain=True)
         return best
@@ -360,9 +365,10 @@ class VerifyPolicy:
         self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
         # A losing cycle counts at once; the average keeps one lucky cycle from hiding a trend.
         if min(self.rate, rate) < MARGIN / self.cost.verify(1, self.context):
+            self.agreed |= accepted > 0
             self._lost()
         else:
-            self.losses = 0
+            self.losses, self.agreed = 0, False
 
     def _lost(self) -> None:
         """Speculation lost this cycle: a plain stretch twice as long as the last one."""
