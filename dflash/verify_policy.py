@@ -25,10 +25,11 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
 * **A probe pays only for its draft while it keeps losing.** In a losing streak a probe drafts
   ``MIN_DRAFT_ROWS`` rows; when the drafter has not agreed once in the streak and even the best
   plan is expected to commit fewer tokens per ms than a plain step, it verifies nothing: the
-  cycle becomes the first plain step of the next stretch. The streak's first ``VERIFIED_LOSSES`` cycles, and every probe once the stretches are
-  ``MAX_BACKOFF`` long, are verified, so that the calibration keeps learning.
-  Measured on a drafter that never agrees: a verified losing probe cost ~1.8 plain steps for one
-  token, a 16-row draft plus a 2-row verify (docs/bench/heldout-auto-v2.md).
+  cycle becomes the first plain step of the next stretch. The streak's first
+  ``VERIFIED_LOSSES`` cycles, and every probe once the stretches are ``MAX_BACKOFF`` long, are
+  verified, so that the calibration keeps learning. A drafter that never agrees (random weights)
+  lost ~4 % to mlx-lm in its probes, not in the plain steps: a 16-row draft and a 2-row verify
+  for one token each (docs/bench/heldout-auto-v2.md, section 4).
 
 Exactness: the cut depends only on the drafter's distributions and on past cycles, never on the
 tokens drawn in this cycle, so greedy output is the target's and rejection sampling stays exact.
