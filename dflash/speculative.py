@@ -366,6 +366,10 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
         else:  # the cut reads the drafter's distributions, never the tokens drawn from them
             plan = policy.plan(log_probs, ids, anchor, bs)
             log_conf = log_probs[:, 0]
+            if plan.plain:  # not worth verifying: the first step of the next plain stretch
+                policy.record(log_conf, plan, 0, None, bs)
+                return _plain_steps(parts, draft, request, state,
+                                    min(1 + policy.plain_stretch(len(state.fed)), remaining))
         if plan.tree is not None:
             return _verify_tree(parts, draft, request, state, plan, log_conf, bs)
         if argmax:

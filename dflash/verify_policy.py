@@ -15,13 +15,21 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   of ``B`` nodes (:mod:`dflash.tree`, attention-only targets) is worth ``(1 + sum of its nodes'
   calibrated path probabilities) / (draft + verify(B + 1))``; the best of all is verified.
 * **Draft only what is verified.** The drafter's block pass covers the deepest row the last few
-  plans used plus two (at least 4, at most the block): on the CPU a 16-row draft pass costs ~3x a
-  4-row one and most of those rows were never verified.
+  plans used plus two (at least 4, at most the block; the first cycle drafts 4): on the CPU a
+  16-row draft pass costs ~3x a 4-row one and most of those rows were never verified.
 * **No speculation when it loses.** When the committed tokens per second of recent speculative
   cycles (half the calibrated estimate of the plans chosen, half what they really committed) fall
   below a plain one-token step's by a 10 % margin, the next cycles are plain target steps (no drafter block pass; the drafter's context is
   still fed the new features), for a stretch that doubles while speculation keeps losing; then one
   speculative cycle probes again and decides afresh.
+* **A probe pays only for its draft while it keeps losing.** In a losing streak a probe drafts
+  ``MIN_DRAFT_ROWS`` rows; when the drafter has not agreed once in the streak and even the best
+  plan is expected to commit fewer tokens per ms than a plain step, it verifies nothing: the
+  cycle becomes the first plain step of the next stretch. The streak's first
+  ``VERIFIED_LOSSES`` cycles, and every probe once the stretches are ``MAX_BACKOFF`` long, are
+  verified, so that the calibration keeps learning. A drafter that never agrees (random weights)
+  lost ~4 % to mlx-lm in its probes, not in the plain steps: a 16-row draft and a 2-row verify
+  for one token each (docs/bench/heldout-auto-v2.md, section 4).
 
 Exactness: the cut depends only on the drafter's distributions and on past cycles, never on the
 tokens drawn in this cycle, so greedy output is the target's and rejection sampling stays exact.
@@ -49,6 +57,8 @@ PRIOR = 0.5  # pseudo-observations of the raw confidence per bin (a drafter can 
 ROW_PRIOR = 4.0  # pseudo-observations of the bin's all-rows estimate per row
 EMA = 0.5  # weight of the newest cycle in the running speculative rate
 MAX_BACKOFF = 64
+MIN_DRAFT_ROWS = 4  # rows of the smallest drafter block pass (anchor included), a probe's
+VERIFIED_LOSSES = 2  # losing cycles verified before a probe expected to lose verifies nothing
 # Speculation must beat a plain step by this factor: the cost model times the passes, not the
 # host work around them (candidates, planning, bookkeeping), and its estimates are noisy.
 MARGIN = 1.1
@@ -197,6 +207,7 @@ class Plan:
 
     rows: int
     tree: DraftTree | None = None
+    plain: bool = False  # verify nothing: a plain target step is expected to commit more per ms
 
 
 @dataclass
@@ -206,6 +217,7 @@ class PolicyStats:
     speculative_cycles: int = 0
     tree_cycles: int = 0
     plain_steps: int = 0
+    unverified_probes: int = 0  # drafter passes whose block was not worth verifying
     rows_verified: int = 0  # target rows over all passes (anchor included)
 
     @property
@@ -241,6 +253,7 @@ class VerifyPolicy:
         self.depths: deque[int] = deque(maxlen=8)  # deepest row of recent plans
         self.backoff = 0  # plain steps still to take
         self.losses = 0  # consecutive losing probes
+        self.agreed = False  # a verified cycle of this losing streak accepted a proposal
         self.stats = PolicyStats()
 
     @property
@@ -254,9 +267,14 @@ class VerifyPolicy:
 
     def draft_rows(self, block: int) -> int:
         """Rows of the drafter's block pass (anchor included)."""
-        if self.name != "auto" or not self.depths:
+        if self.name != "auto":
             return block
-        return max(2, min(block, max(4, max(self.depths) + 3)))
+        # The first cycle knows nothing of this drafter (its plan trusts the raw confidence, and
+        # a random drafter's is ~0.97: it verified a 17-node tree), and a probe in a losing
+        # streak most likely verifies nothing: the smallest pass.
+        if self.losses or not self.depths:
+            return min(block, MIN_DRAFT_ROWS)
+        return max(2, min(block, max(MIN_DRAFT_ROWS, max(self.depths) + 3)))
 
     def plain_stretch(self, context: int) -> int:
         """Plain one-token target steps to take now, before the next speculative cycle (0:
@@ -285,17 +303,27 @@ class VerifyPolicy:
             [draft_ms + self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)])
         best = Plan(int(np.argmax(chain)) + 1)
         self.expected = float(chain.max())
-        if not self.budgets or log_probs.shape[1] < 2:
-            return best
-        tree = build_tree(log_probs, ids, max(self.budgets), anchor)
-        gain = 1.0 + np.cumsum(tree_node_probs(tree, p, self.nodes))
-        budgets = [b for b in self.budgets if b < len(tree)]
-        value = [gain[b - 1] / (draft_ms + self.cost.verify(b + 1, self.context)) for b in budgets]
-        if value and max(value) > chain.max():
-            b = budgets[int(np.argmax(value))]
-            if not tree.prefix(b).is_chain():
-                self.expected = float(max(value))
-                return Plan(0, tree.prefix(b))
+        if self.budgets and log_probs.shape[1] >= 2:
+            tree = build_tree(log_probs, ids, max(self.budgets), anchor)
+            gain = 1.0 + np.cumsum(tree_node_probs(tree, p, self.nodes))
+            budgets = [b for b in self.budgets if b < len(tree)]
+            value = [gain[b - 1] / (draft_ms + self.cost.verify(b + 1, self.context))
+                     for b in budgets]
+            if value and max(value) > chain.max():
+                b = budgets[int(np.argmax(value))]
+                if not tree.prefix(b).is_chain():
+                    self.expected = float(max(value))
+                    best = Plan(0, tree.prefix(b))
+        # A drafter that has not agreed once in a losing streak: a block whose best plan loses
+        # to a plain step is not verified, its verify rows would most likely only confirm the
+        # loss (the drafter pass is spent either way). The streak's first two cycles are verified
+        # (one unlucky cycle is no evidence), and once the stretches are MAX_BACKOFF long every
+        # probe is verified again, so that the calibration keeps learning and speculation comes
+        # back when the text changes.
+        if (VERIFIED_LOSSES <= self.losses and not self.agreed
+                and 2 ** self.losses < MAX_BACKOFF
+                and self.expected * self.cost.verify(1, self.context) < 1.0):
+            return Plan(0, plain=True)
         return best
 
     # -- after verifying ----------------------------------------------------------------------
@@ -303,10 +331,15 @@ class VerifyPolicy:
     def record(self, log_conf: np.ndarray | None, plan: Plan | None, accepted: int,
                path: list[int] | None, draft_rows: int) -> None:
         """Learn from a cycle (``plan is None``: a plain step): ``accepted`` tokens were kept;
-        for a tree, along ``path`` (node indices)."""
+        for a tree, along ``path`` (node indices). A ``plain`` plan (nothing verified) counts
+        as a losing probe; the plain steps taken instead are recorded one by one."""
         if plan is None:
             self.stats.plain_steps += 1
             self.stats.rows_verified += 1
+            return
+        if plan.plain:
+            self.stats.unverified_probes += 1
+            self._lost()
             return
         self.stats.speculative_cycles += 1
         if plan.tree is not None:
@@ -333,11 +366,16 @@ class VerifyPolicy:
         self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
         # A losing cycle counts at once; the average keeps one lucky cycle from hiding a trend.
         if min(self.rate, rate) < MARGIN / self.cost.verify(1, self.context):
-            self.losses += 1
-            self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
-            self.rate = None  # the probe after the plain stretch decides afresh
+            self.agreed |= accepted > 0
+            self._lost()
         else:
-            self.losses = 0
+            self.losses, self.agreed = 0, False
+
+    def _lost(self) -> None:
+        """Speculation lost this cycle: a plain stretch twice as long as the last one."""
+        self.losses += 1
+        self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
+        self.rate = None  # the probe after the plain stretch decides afresh
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""Our plain target step against mlx-lm's ``generate_step``, in one process, interleaved.
+
+The ``auto`` policy takes plain one-token target steps while speculation loses (a drafter that
+never agrees: ~92 % of its steps). What such a step costs next to mlx-lm's own decoding is the
+floor of that case, so this script times, per generated token after the prefill (median over
+interleaved rounds, each variant from its own prefill of the same prompt ids, greedy):
+
+* ``mlx-lm``: ``mlx_lm.generate.generate_step`` (what ``mlx_lm.stream_generate`` runs);
+* ``plain``: one forced stretch of ``_plain_steps`` (taps kept for the drafter, as decoding does);
+* ``plain-notaps``: the same stretch through a forward without taps (what the taps cost);
+* ``dflash``: the whole loop (``stream_generate``, policy ``auto``) with the given drafter.
+
+    python scripts/profile_plain.py --draft /tmp/rand-drafter --tokens 96 --rounds 6
+
+Every variant's tokens must equal mlx-lm's (checked; a mismatch is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+# isort: off
+import dflash  # noqa: F401  (OpenBLAS before mlx)
+# isort: on
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from dflash import speculative as sp
+from dflash.bench import load_prompts
+from dflash.pair import load_pair
+from dflash.prompts import encode_prompt
+from dflash.target import make_cache, target_parts
+
+
+def run_mlx_lm(pair, ids: list[int], n: int) -> tuple[list[int], float]:
+    tokens, first = [], None
+    for token, _ in generate_step(mx.array(ids), pair.model, max_tokens=n + 1,
+                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+        tokens.append(int(token))
+        if first is None:
+            first = time.perf_counter()  # the prefill and first token are not counted
+    return tokens, (time.perf_counter() - first) / n
+
+
+def run_plain(pair, ids: list[int], n: int, taps: bool) -> tuple[list[int], float]:
+    parts = target_parts(pair.model)
+    draft = pair.draft
+    request = sp.build_request(parts, draft, pair.tokenizer, ids, max_tokens=n + 1)
+    state = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(ids), fed=list(ids),
+                           policy=sp.VerifyPolicy("fixed", request.block_size))
+    last = sp._prefill(parts, draft, request, state, 0)
+    state.history.append(sp.first_token(request, state, last))
+    tic = time.perf_counter()
+    # Without taps: a stand-in drafter that asks for no layer outputs.
+    step = sp._plain_steps(parts, draft if taps else SimpleNamespace(target_layer_ids=[]),
+                           request, state, n)
+    mx.eval(state.pending_taps, [c.state for c in state.cache])
+    return state.history[len(ids):] + step.tokens, (time.perf_counter() - tic) / n
+
+
+def run_dflash(pair, ids: list[int], n: int) -> tuple[list[int], float]:
+    tokens, first = [], None
+    for r in sp.stream_generate(pair.model, pair.draft, pair.tokenizer, ids, max_tokens=n + 1):
+        tokens += r.tokens
+        if first is None:
+            first = time.perf_counter()
+    return tokens, (time.perf_counter() - first) / n
+
+
+VARIANTS = {
+    "mlx-lm": run_mlx_lm,
+    "plain": lambda p, i, n: run_plain(p, i, n, True),
+    "plain-notaps": lambda p, i, n: run_plain(p, i, n, False),
+    "dflash": run_dflash,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--draft")
+    ap.add_argument("--prompts", default="docs/bench/heldout-mix.jsonl")
+    ap.add_argument("--prompt-index", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    pair = load_pair(args.model, args.draft)
+    _, items = load_prompts(args.prompts, None)
+    ids = encode_prompt(pair.tokenizer, items[args.prompt_index])
+    names = args.variants.split(",")
+    for name in names:  # warm-up
+        VARIANTS[name](pair, ids, 8)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    reference = None
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            tokens, per_token = VARIANTS[name](pair, ids, args.tokens)
+            reference = reference or tokens
+            if tokens[:args.tokens + 1] != reference[:args.tokens + 1]:
+                print(f"MISMATCH: {name} differs from {names[0]}")
+            times[name].append(per_token)
+    base = times[names[0]]
+    print(f"{len(ids)} prompt tokens, {args.tokens} decoded, {args.rounds} rounds; "
+          f"ms/token median (min-max); ratio = {names[0]} / variant, per round")
+    for name in names:
+        ratios = [b / t for b, t in zip(base, times[name])]
+        print(f"{name:>13}: {1e3 * statistics.median(times[name]):7.2f} ms "
+              f"({1e3 * min(times[name]):.2f}-{1e3 * max(times[name]):.2f})  ratio "
+              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()

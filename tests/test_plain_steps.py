@@ -1,0 +1,256 @@
+"""Plain target steps (the ``auto`` policy stepping aside) stay exact, and cheap.
+
+A drafter that never agrees, on a "machine" (a cost model written where the calibration is cached)
+where such a drafter always loses to a plain step: after its first two, verified, losing cycles
+the policy takes plain stretches of 2, 4, 8 ... steps, and each probe between them drafts but
+verifies nothing. Output must be the target's own: greedy (pipelined plain steps) and sampled with a
+truncation that leaves one token (plain steps drawn on the host), with ``max_tokens``, stop ids and
+stop strings landing inside stretches; and when the drafter turns right after a stretch,
+speculation comes back and stays exact. The drafter's context, caught up in one pass after a
+stretch, proposes what a context fed step by step proposes.
+"""
+
+from __future__ import annotations
+
+# isort: off
+import dflash  # noqa: F401  (OpenBLAS before mlx)
+# isort: on
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+from test_engine import chat_prompt, reference
+from tiny_models import OracleDrafter
+
+from dflash import cost_model as costs
+from dflash import speculative as sp
+from dflash.model_mlx import generate
+from dflash.target import make_cache, target_parts
+from dflash.verify_policy import MAX_BACKOFF, MIN_DRAFT_ROWS, VerifyPolicy
+
+N = 160
+KINDS = ("qwen3", "qwen3_5")  # attention caches; GatedDeltaNet state (nothing to trim)
+
+
+def cost(verify_ms: list[float], key: str = "t") -> costs.CostModel:
+    rows = [1, 2, 4, 8, 16, 32]
+    return costs.CostModel(key=key, machine=costs.machine_id(), rows=rows, contexts=[128, 1024],
+                           verify_ms=[verify_ms, verify_ms], draft_rows=[2, 4, 8, 16],
+                           draft_ms=[1.0, 1.0, 1.2, 1.5])
+
+
+# Every verify row costs a plain step: speculation can only lose after its first cycle.
+ROWS_COST = [10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+# A verify pass costs about one step whatever its rows: a right drafter wins.
+FLAT_COST = [10.0, 10.5, 11.0, 12.0, 14.0, 18.0]
+
+
+@pytest.fixture(scope="module")
+def pairs(loaded_pair):
+    """Loaded (and references computed) before any test moves DFLASH_HOME."""
+    out = {}
+    for kind in KINDS:
+        model, tokenizer, draft = loaded_pair(kind)
+        prompt = chat_prompt(tokenizer)
+        out[kind] = model, tokenizer, draft, prompt, reference(model, prompt, n=N)
+    return out
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """``machine(pair, verify_ms)``: this pair's calibration, as if measured so, in a fresh
+    DFLASH_HOME (read through the cache file like a real one)."""
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(costs, "_memory", {})
+
+    def write(model, draft, verify_ms):
+        key = costs.cost_key(target_parts(model), draft)
+        path = costs.calibration_file(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(costs.to_json(cost(verify_ms, key)))
+        costs._memory.clear()
+
+    return write
+
+
+class WrongUntil(OracleDrafter):
+    """Confidently wrong (every proposal) while the anchor sits before position ``until``, then
+    the target's own continuation."""
+
+    def __init__(self, draft, reference: list[int], until: int):
+        super().__init__(draft, reference, lambda cycle, j: self.wrong)
+        self.until = until
+        self.wrong = True
+
+    def block_logits(self, target, anchor: int, block_len: int, cache) -> mx.array:
+        self.wrong = cache[0].offset < self.until
+        return super().block_logits(target, anchor, block_len, cache)
+
+
+def never_right(draft, prompt, ref):
+    return WrongUntil(draft, prompt + ref + [0] * 32, until=10**9)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_stretches_are_the_target_greedy(kind, pairs, machine):
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    machine(model, draft, ROWS_COST)
+    # Ends inside stretches and probes: stretches cover tokens 3-4, 6-9, 10-18, 19-35, 36-68 ...
+    first = None  # proposals verified by the first cycle
+    for n in (1, 2, 3, 7, 14, 36, 50, 100, 133, N):
+        out = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=n)
+        assert out.tokens == ref[:n], n
+        s = out.stats
+        # Every token after the prefill's came from a one-token cycle or a plain step (a last
+        # token alone is a cycle that verifies nothing).
+        assert s.cycles + s.plain_steps == n - 1, (n, s.cycles, s.plain_steps)
+        if n >= 7:  # the first two cycles lost; the probes after them verified nothing ...
+            assert s.plain_steps >= n - 4, n
+        if n > 8:  # (a first cycle with a whole block left: the same one every time)
+            first = first or s.verified_tokens
+            assert s.verified_tokens == first or n == N, n
+    # ... until the stretches reached MAX_BACKOFF: tokens 2 and 5 came from verified cycles,
+    # tokens 3-4, 6-9, 10-133 from stretches of 2, 4, 1 + 8, ..., 1 + 64; the probe at token 134
+    # was verified again.
+    assert out.stats.verified_tokens > first and out.stats.cycles >= 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stops_inside_plain_stretches(kind, pairs, machine):
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    machine(model, draft, ROWS_COST)
+    full = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=N)
+    for at in (6, 12, 27, 60, 120):
+        stop = ref[at]
+        first = ref.index(stop)
+        out = generate(model, never_right(draft, prompt, ref), tokenizer, prompt,
+                       max_tokens=N, stop_token_ids=[stop])
+        assert out.tokens == ref[:first] and out.finish_reason == "stop", at
+        needle = full.text[4 * at: 4 * at + 6]
+        if needle.strip():
+            out = generate(model, never_right(draft, prompt, ref), tokenizer, prompt,
+                           max_tokens=N, stop=[needle])
+            assert out.text == full.text[: full.text.index(needle)]
+            assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_plain_stretches_with_penalties_are_the_target(kind, pairs, machine):
+    """Temperature 1 with ``top_k=1`` samples on the host (no pipelining) and leaves one token:
+    mlx-lm's processors, then argmax. The penalties see each stretch's own earlier tokens."""
+    model, tokenizer, draft, prompt, _ = pairs[kind]
+    machine(model, draft, ROWS_COST)
+    penalties = dict(repetition_penalty=1.3, repetition_context_size=6, presence_penalty=0.4,
+                     frequency_penalty=0.3, frequency_context_size=8)
+    procs = make_logits_processors(None, 1.3, 6, 0.4, 20, 0.3, 8)
+    ref = reference(model, prompt, n=N, logits_processors=procs)
+    for n in (9, 40, N):
+        out = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=n,
+                       temperature=1.0, top_k=1, seed=3, **penalties)
+        assert out.tokens == ref[:n], n
+        assert out.stats.plain_steps >= n - 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculation_after_plain_stretches_stays_exact(kind, pairs, machine):
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    machine(model, draft, FLAT_COST)
+    until = len(prompt) + 30
+    oracle = WrongUntil(draft, prompt + ref + [0] * 32, until)
+    out = generate(model, oracle, tokenizer, prompt, max_tokens=N)
+    assert out.tokens == ref
+    s = out.stats
+    assert s.plain_steps > 0  # the wrong drafter was stepped aside from
+    # ... and the right one speculates again: every proposal accepted was made after ``until``.
+    assert round(s.mean_tau * s.cycles) - s.cycles >= 8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafter_context_caught_up_after_a_stretch_proposes_the_same(kind, pairs):
+    """The taps of a plain stretch reach the drafter in one pass when it drafts next; its block
+    scores equal those of a context fed one token at a time."""
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    parts = target_parts(model)
+    request = sp.build_request(parts, draft, tokenizer, prompt, max_tokens=N, policy="fixed")
+
+    def state():
+        s = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(prompt),
+                           fed=list(prompt), policy=VerifyPolicy("fixed", request.block_size))
+        s.history.append(sp.first_token(request, s, sp._prefill(parts, draft, request, s, 0)))
+        return s
+
+    lazy, eager = state(), state()
+    out = sp._plain_steps(parts, draft, request, lazy, 12)
+    for _ in range(12):
+        step = sp._plain_steps(parts, draft, request, eager, 1)
+        eager.history += step.tokens
+        eager.sync_drafter(draft)  # fed at once, every step
+    assert out.tokens == eager.history[len(lazy.history):] == ref[1:13]
+    assert lazy.pending_taps.shape[1] == 12 and lazy.fed == eager.fed
+    lazy.sync_drafter(draft)
+    anchor = out.tokens[-1]
+    a = np.array(draft.block_scores(parts, anchor, 8, lazy.dcache)[0])
+    b = np.array(draft.block_scores(parts, anchor, 8, eager.dcache)[0])
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy's side of it
+
+
+def losing_policy() -> VerifyPolicy:
+    policy = VerifyPolicy("auto", 16, cost(ROWS_COST))
+    policy.plain_stretch(128)
+    return policy
+
+
+def confident(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    log_probs = np.log(np.full((rows, 1), 0.97))
+    return log_probs, np.arange(rows)[:, None]
+
+
+def test_a_losing_streak_drafts_little_and_stops_verifying_until_the_longest_stretch():
+    policy = losing_policy()
+    assert policy.draft_rows(16) == MIN_DRAFT_ROWS  # nothing known of the drafter yet
+    plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
+    assert not plan.plain  # the streak's first probe is verified, whatever it expects
+    policy.record(confident(3)[0][:, 0], plan, 0, None, 4)
+    assert policy.losses == 1 and policy.plain_stretch(128) == 2
+    plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
+    assert not plan.plain  # and so is its second: one unlucky cycle is no evidence
+    policy.record(confident(3)[0][:, 0], plan, 0, None, 4)
+    assert policy.losses == 2 and policy.plain_stretch(128) == 4
+    stretches = []
+    while 2 ** policy.losses < MAX_BACKOFF:
+        assert policy.draft_rows(16) == MIN_DRAFT_ROWS
+        plan = policy.plan(*confident(MIN_DRAFT_ROWS - 1), anchor=0, draft_rows=MIN_DRAFT_ROWS)
+        assert plan.plain and plan.rows == 0 and plan.tree is None
+        policy.record(None, plan, 0, None, MIN_DRAFT_ROWS)
+        stretches.append(policy.plain_stretch(128))
+    assert stretches == [8, 16, 32, 64]
+    assert policy.stats.unverified_probes == 4 and policy.stats.speculative_cycles == 2
+    # At the longest stretch, probes are verified again: the calibration keeps learning.
+    assert not policy.plan(*confident(3), anchor=0, draft_rows=4).plain
+
+
+def test_a_streak_where_the_drafter_agreed_keeps_verifying():
+    policy = losing_policy()
+    for accepted in (1, 0, 0):  # it lost, but it agreed once
+        plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
+        assert not plan.plain
+        policy.record(confident(3)[0][:, 0], plan, accepted, None, 4)
+        policy.plain_stretch(128)
+    assert policy.losses == 3 and policy.agreed
+
+
+def test_a_probe_expected_to_win_is_verified_and_a_winning_cycle_drafts_deeper():
+    policy = VerifyPolicy("auto", 16, cost(FLAT_COST))
+    policy._lost()
+    assert policy.plain_stretch(128) == 2  # the stretch is taken; then the probe
+    log_probs = np.log(np.full((3, 1), 0.999))
+    plan = policy.plan(log_probs, np.arange(3)[:, None], anchor=0, draft_rows=4)
+    assert not plan.plain and plan.rows == 3
+    policy.record(log_probs[:, 0], plan, 3, None, 4)  # all accepted: the streak is over
+    assert policy.losses == 0 and policy.plain_stretch(128) == 0
+    assert policy.draft_rows(16) == 3 + 3  # the deepest recent plan and two more rows
