@@ -69,10 +69,12 @@ from .speculative import (
     StepResult,
     _Detokenizer,
     _snapshot,
+    _speculative_step,
     build_request,
     count_step,
     emit,
     first_token,
+    new_state,
     prefill_chunk,
     run_request,
 )
@@ -88,7 +90,6 @@ from .verify_policy import (
     MARGIN,
     MAX_BACKOFF,
     Plan,
-    VerifyPolicy,
     batch_width,
     check_policy,
     draft_candidates,
@@ -101,6 +102,9 @@ REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).param
                          if name not in ("parts", "draft", "tokenizer", "prompt")
                          and name not in ENGINE_SETTINGS)
 BATCHED_POLICIES = ("auto", "fixed")
+# Most plain one-token steps a lone sequence takes in one engine step (the single-sequence policy
+# backs off for up to MAX_BACKOFF): a request arriving meanwhile waits at most these.
+LONE_STRETCH = 16
 
 
 @dataclass
@@ -118,7 +122,7 @@ class BatchEvent:
 class _Sequence:
     uid: int
     request: DecodeRequest
-    state: DecodeState
+    state: DecodeState | None  # None in the one-at-a-time fallback (its stream keeps one)
     stats: DFlashResponse
     detok: _Detokenizer
     cache: list | None = None  # its own caches while it prefills
@@ -207,12 +211,7 @@ class BatchGenerator:
                                 block_size=self.block_size, policy=self.policy,
                                 prefill_step_size=self.prefill_chunk, **settings)
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
-        policy = None if self.fallback else VerifyPolicy(request.policy, request.block_size,
-                                                         self.cost)
-        state = DecodeState(None, None, history=list(request.prompt_ids),
-                            fed=list(request.prompt_ids), policy=policy,
-                            accepted_at=[0] * (request.block_size - 1),
-                            proposed_at=[0] * (request.block_size - 1))
+        state = None if self.fallback else new_state(self.parts, request, None, None, self.cost)
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),
@@ -249,7 +248,9 @@ class BatchGenerator:
             if self.prefilling is None:
                 break
             budget -= self._prefill_step(events, budget)
-        if self.rows:
+        if len(self.rows) == 1 and self.prefilling is None and not self.queue:
+            self._lone_cycle(events)
+        elif self.rows:
             self._cycle(events)
         return events
 
@@ -327,13 +328,54 @@ class BatchGenerator:
         self._event(seq, response, events)
         if response.finish_reason is not None:
             return
-        for ragged, c in zip(self.cache + self.dcache, seq.cache + seq.dcache):
-            if isinstance(c, ArraysCache):
-                ragged.add(c[0], c[1])
-            else:
-                ragged.add(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+        if self.rows:
+            self._to_batch()
+            self._add_row(seq.cache, seq.dcache)
+        else:  # alone so far: it keeps its own caches (see _lone_cycle)
+            seq.state.cache, seq.state.dcache = seq.cache, seq.dcache
         seq.cache = seq.dcache = None
         self.rows.append(seq)
+
+    # -- a sequence alone: the single-sequence engine's cycle ---------------------------------
+
+    def _add_row(self, cache: list, dcache: list) -> None:
+        for ragged, c in zip(self.cache + self.dcache, cache + dcache):
+            ragged.add_cache(c)
+
+    def _to_batch(self) -> None:
+        """A lone sequence's own caches become row 0 of the batch (another one joins)."""
+        state = self.rows[0].state
+        if len(self.rows) != 1 or state.cache is None:
+            return
+        self._add_row(state.cache, state.dcache)
+        state.cache = state.dcache = None
+        # The batch judges speculation itself; the lone cycle's last plan is stale there.
+        state.policy.expected = None
+
+    def _lone_cycle(self, events: list[BatchEvent]) -> None:
+        """One cycle of the single-sequence engine (:func:`~dflash.speculative._speculative_step`:
+        its policy, draft trees, pipelined plain steps) for the only sequence, on ordinary
+        caches taken from the batch's one row; its state (policy statistics, acceptance
+        calibration, sampler, stats) is the one it decodes with in a batch."""
+        seq = self.rows[0]
+        state = seq.state
+        if state.cache is None:
+            state.cache = [c.only_row() for c in self.cache]
+            state.dcache = [c.only_row() for c in self.dcache]
+        # A long plain stretch goes in pieces, so a request arriving meanwhile waits at most
+        # LONE_STRETCH steps for its prefill.
+        held = max(0, state.policy.backoff - LONE_STRETCH)
+        state.policy.backoff -= held
+        t0 = time.perf_counter()
+        step = _speculative_step(self.parts, self.draft, seq.request, state,
+                                 min(seq.request.block_size, seq.remaining), seq.remaining)
+        count_step(seq.stats, state, step, t0, time.perf_counter())
+        state.policy.backoff += held
+        response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic)
+        self._event(seq, response, events)
+        if response.finish_reason is not None:
+            state.cache = state.dcache = None
+            self.rows = []
 
     # -- one decode cycle for every row -------------------------------------------------------
 
@@ -390,6 +432,7 @@ class BatchGenerator:
             s.state.pending_taps = None
 
     def _cycle(self, events: list[BatchEvent]) -> None:
+        self._to_batch()  # a lone sequence while another prefills
         t0 = time.perf_counter()
         rows = self.rows
         anchors = [s.state.history[-1] for s in rows]
