@@ -105,6 +105,9 @@ BATCHED_POLICIES = ("auto", "fixed")
 # Most plain one-token steps a lone sequence takes in one engine step (the single-sequence policy
 # backs off for up to MAX_BACKOFF): a request arriving meanwhile waits at most these.
 LONE_STRETCH = 16
+# Prompt tokens (in prefill chunks) the batch may wait for, without decoding, while a burst of
+# arriving prompts is prefilled: enough for a few chat-sized prompts, not one long document.
+PREFILL_BURST = 2
 
 
 @dataclass
@@ -194,6 +197,7 @@ class BatchGenerator:
         self.probe = False
         self.cancelled: set[int] = set()
         self.next_uid = 0
+        self.stalled = 0  # prompt tokens prefilled since the last decode cycle
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -235,24 +239,54 @@ class BatchGenerator:
     # -- the engine step ----------------------------------------------------------------------
 
     def step(self) -> list[BatchEvent]:
-        """One engine step: leaves, at most one prefill chunk, one decode cycle."""
+        """One engine step: leaves, at most one prefill chunk, then one decode cycle unless a
+        burst of prompts is still being prefilled (see :meth:`_prefill_first`)."""
         events: list[BatchEvent] = []
         self._leave_cancelled(events)
         if self.fallback is not None:
             self._step_one_at_a_time(events)
             return events
-        budget = self.prefill_chunk  # prompt tokens this step may prefill
-        while budget > 0:
-            if self.prefilling is None and self.queue and len(self.rows) < self.max_batch:
-                self._start_prefill(self.queue.popleft())
-            if self.prefilling is None:
-                break
-            budget -= self._prefill_step(events, budget)
+        first = self._prefill_first()
+        fed = self._prefill(events)
+        if first:  # the first tokens go out now; decoding waits for the burst's prefills
+            self.stalled += fed
+            return events
+        self.stalled = 0
         if len(self.rows) == 1 and self.prefilling is None and not self.queue:
             self._lone_cycle(events)
         elif self.rows:
             self._cycle(events)
         return events
+
+    def _next_prompt(self) -> _Sequence | None:
+        """The sequence the next prefill chunk is for, if any."""
+        if self.prefilling is not None:
+            return self.prefilling
+        return self.queue[0] if self.queue and len(self.rows) < self.max_batch else None
+
+    def _prefill_first(self) -> bool:
+        """Prefill without a decode cycle this step? Yes while the next waiting prompt can be
+        prefilled to its end within ``PREFILL_BURST`` chunks of prompt tokens since the last
+        cycle: a burst of short prompts gets every first token before the batch decodes on
+        (measured at 4 clients: the burst's last first token waited two decode cycles), while
+        a long prompt still costs the others one chunk per cycle."""
+        seq = self._next_prompt()
+        if seq is None:
+            return False
+        if not self.rows:
+            self.stalled = 0  # nobody waits
+            return True
+        left = len(seq.request.prompt_ids) - seq.prefilled
+        return self.stalled + left <= PREFILL_BURST * self.prefill_chunk
+
+    def _prefill(self, events: list[BatchEvent]) -> int:
+        """Up to ``prefill_chunk`` prompt tokens, from the head of the queue; the tokens fed."""
+        budget = self.prefill_chunk
+        while budget > 0 and self._next_prompt() is not None:
+            if self.prefilling is None:
+                self._start_prefill(self.queue.popleft())
+            budget -= self._prefill_step(events, budget)
+        return self.prefill_chunk - budget
 
     def _start_prefill(self, seq: _Sequence) -> None:
         self.prefilling, seq.tic = seq, time.perf_counter()
