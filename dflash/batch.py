@@ -15,9 +15,19 @@ Design:
 * **One step** (:meth:`BatchGenerator.step`): cancelled sequences leave; at most
   ``prefill_chunk`` prompt tokens are prefilled, from the head of the queue (each prompt alone
   through ordinary caches: exactly the single-sequence prefill; short prompts arriving together
-  share one step's budget), so a long prompt costs the others one chunk per step; a prompt whose
-  prefill is done joins the batch (its caches become new rows); then one decode cycle for every
-  joined sequence; finished sequences leave.
+  share one step's budget); a prompt whose prefill is done emits its first token and joins the
+  batch (its caches become new rows); then one decode cycle for every joined sequence; finished
+  sequences leave. A burst of prompts is prefilled before the batch decodes on (the step ends
+  after its prefill while the next waiting prompt fits in ``PREFILL_BURST`` chunks since the
+  last cycle: every first token of a burst goes out without waiting for decode cycles), while a
+  long prompt costs the others one chunk per cycle. (Prefilling several prompts in one padded
+  pass was measured no faster on the CPU than one after another, so prompts stay alone.)
+* **A lone sequence** (one row, nothing waiting) decodes with the single-sequence engine's own
+  cycle (:func:`~dflash.speculative._speculative_step`: its verify policy, draft trees,
+  pipelined plain steps) on ordinary caches taken from the batch's one row, and goes back into
+  the batch as row 0 when another sequence joins; the state it carries (policy statistics,
+  acceptance calibration, sampler, stats) is the same object in both. Hybrid targets too: the
+  GatedDeltaNet row becomes an ``ArraysCache`` (chains: trees need attention-only targets).
 * **Verify width across the batch.** A ``(B, n)`` pass costs ``B * n`` rows however they are
   shared, so every sequence verifies up to ``n - 1`` proposals (fewer near its ``max_tokens``)
   and the policy chooses ``n``: :func:`~dflash.verify_policy.batch_width` maximises expected
@@ -26,7 +36,7 @@ Design:
   ``AcceptanceModel``). ``n = 1`` is plain batched decoding, without a drafter pass: as the batch
   grows, ``verify(B * n)`` grows and plain steps win by themselves. When speculation loses, plain
   steps run for a stretch that doubles while it keeps losing, then one cycle probes again.
-  ``policy="fixed"`` verifies the whole block. Chains only: trees stay single-sequence.
+  ``policy="fixed"`` verifies the whole block. Chains only: trees are for a lone sequence.
 * **Per sequence**: sampling settings, seeds, penalties, stops and limits are the
   single-sequence engine's (:func:`~dflash.speculative.build_request`, ``BlockSampler.accept``,
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output

@@ -215,6 +215,38 @@ def RANKS(cycle, j):  # noqa: N802  (a rank function, as tests/test_tree_decode.
     return 1 if j == cycle % 3 else 0
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_a_burst_of_prompts_is_prefilled_before_decoding_and_stays_exact(kind, loaded_pair):
+    """Prompts of different lengths arriving together: the short ones all get their first token
+    before any sequence its second; a long one does not stall the others until it is done."""
+    model, tokenizer, draft = loaded_pair(kind)
+    words = prompts_for(tokenizer)
+    prompts = [words[0][:3], words[2][:11], words[4][:6], (words[3] * 2)[:90]]
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=4, prefill_chunk=16,
+                            block_size=6, policy="auto")
+    uids = [engine.insert(p, max_tokens=12) for p in prompts]
+    tokens, steps = {u: [] for u in uids}, []
+    while engine.active or engine.pending:
+        events = engine.step()
+        steps.append({e.uid: len(e.tokens) for e in events})
+        for e in events:
+            tokens[e.uid] += e.tokens
+    for p, u in zip(prompts, uids):
+        assert tokens[u] == alone(model, p, 12)
+
+    def first_step(uid, n):  # the step after which ``uid`` had ``n`` tokens
+        total = 0
+        for i, s in enumerate(steps):
+            total += s.get(uid, 0)
+            if total >= n:
+                return i
+
+    short = uids[:3]
+    assert max(first_step(u, 1) for u in short) < min(first_step(u, 2) for u in short)
+    # The long prompt (6 chunks) was prefilled alongside decoding: the others went on.
+    assert any(first_step(u, 2) < first_step(uids[3], 1) for u in short)
+
+
 def test_stops_cancel_and_leaves_mid_flight(loaded_pair):
     model, tokenizer, draft = loaded_pair("qwen3")
     prompts = prompts_for(tokenizer)
@@ -400,3 +432,10 @@ def test_concurrency_bench_reports_both_engines(loaded_pair, tiny_pair):
     assert result["dflash"]["generated"] == result["mlx_lm"]["generated"] == 36
     assert result["ratio"] > 0 and result["dflash"]["ttft_p95"] >= result["dflash"]["ttft_p50"]
     assert "mlx-lm batching" in format_concurrency(result)
+    # One client through a batched engine with room for more (its lone-sequence path) against
+    # the single-sequence engine: the same tokens.
+    result = run_concurrency_bench(pair=pair, prompts=prompts, concurrency=1, max_batch=3,
+                                   max_tokens=12, warmup=False)
+    assert result["single"]["tokens"] == result["dflash"]["tokens"] == result["mlx_lm"]["tokens"]
+    assert result["config"]["max_batch"] == 3 and result["batched_vs_single"] > 0
+    assert "max_batch 3" in format_concurrency(result)
