@@ -372,7 +372,8 @@ class BatchGenerator:
         self._event(seq, response, events)
         if response.finish_reason is not None:
             return
-        if self.rows:
+        if self.rows or self.prompt_cache is not None:
+            # (Copied into the batch: the prompt cache keeps these for the next prompt.)
             self._to_batch()
             self._add_row(seq.cache, seq.dcache)
         else:  # alone so far: it keeps its own caches (see _lone_cycle)
@@ -388,9 +389,9 @@ class BatchGenerator:
 
     def _to_batch(self) -> None:
         """A lone sequence's own caches become row 0 of the batch (another one joins)."""
-        state = self.rows[0].state
-        if len(self.rows) != 1 or state.cache is None:
+        if len(self.rows) != 1 or self.rows[0].state.cache is None:
             return
+        state = self.rows[0].state
         self._add_row(state.cache, state.dcache)
         state.cache = state.dcache = None
         # The batch judges speculation itself; the lone cycle's last plan is stale there.

@@ -161,18 +161,24 @@ def flat_costs():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_lone_sequence_runs_the_single_sequence_cycle_across_joins_and_leaves(kind,
+@pytest.mark.parametrize("cached", [False, True])
+def test_lone_sequence_runs_the_single_sequence_cycle_across_joins_and_leaves(kind, cached,
                                                                               loaded_pair):
     """1 -> 2 -> 1 -> 2 -> 1 sequences: a join while the lone one decodes (with draft trees on
-    attention targets), a leave that leaves one; every output is the target's own."""
+    attention targets), a leave that leaves one; every output is the target's own. With a
+    prompt cache (the server's), whose caches the next prompt starts from."""
+    from dflash.prompt_cache import PromptCache
+
     model, tokenizer, draft = loaded_pair(kind)
     prompts = prompts_for(tokenizer)
+    prompts[2] = prompts[1][:20] + prompts[2]  # C starts with B's first 20 tokens
     lengths = {0: 60, 1: 10, 2: 14}  # A decodes throughout; B and C join and leave
     refs = {tuple(prompts[i]): prompts[i] + alone(model, prompts[i], m + 8)
             for i, m in lengths.items()}
     oracle = LoneOracle(draft, refs, mixed_plant, RANKS)
     engine = BatchGenerator(model, oracle, tokenizer, max_batch=3, prefill_chunk=16,
-                            block_size=8, policy="auto")
+                            block_size=8, policy="auto",
+                            prompt_cache=PromptCache() if cached else None)
     engine.cost = flat_costs()  # before insert: each sequence's policy takes it
     oracle.engine = engine
     tokens, last, sizes = {}, {}, []
