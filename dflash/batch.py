@@ -15,9 +15,19 @@ Design:
 * **One step** (:meth:`BatchGenerator.step`): cancelled sequences leave; at most
   ``prefill_chunk`` prompt tokens are prefilled, from the head of the queue (each prompt alone
   through ordinary caches: exactly the single-sequence prefill; short prompts arriving together
-  share one step's budget), so a long prompt costs the others one chunk per step; a prompt whose
-  prefill is done joins the batch (its caches become new rows); then one decode cycle for every
-  joined sequence; finished sequences leave.
+  share one step's budget); a prompt whose prefill is done emits its first token and joins the
+  batch (its caches become new rows); then one decode cycle for every joined sequence; finished
+  sequences leave. A burst of prompts is prefilled before the batch decodes on (the step ends
+  after its prefill while the next waiting prompt fits in ``PREFILL_BURST`` chunks since the
+  last cycle: every first token of a burst goes out without waiting for decode cycles), while a
+  long prompt costs the others one chunk per cycle. (Prefilling several prompts in one padded
+  pass was measured no faster on the CPU than one after another, so prompts stay alone.)
+* **A lone sequence** (one row, nothing waiting) decodes with the single-sequence engine's own
+  cycle (:func:`~dflash.speculative._speculative_step`: its verify policy, draft trees,
+  pipelined plain steps) on ordinary caches taken from the batch's one row, and goes back into
+  the batch as row 0 when another sequence joins; the state it carries (policy statistics,
+  acceptance calibration, sampler, stats) is the same object in both. Hybrid targets too: the
+  GatedDeltaNet row becomes an ``ArraysCache`` (chains: trees need attention-only targets).
 * **Verify width across the batch.** A ``(B, n)`` pass costs ``B * n`` rows however they are
   shared, so every sequence verifies up to ``n - 1`` proposals (fewer near its ``max_tokens``)
   and the policy chooses ``n``: :func:`~dflash.verify_policy.batch_width` maximises expected
@@ -26,7 +36,7 @@ Design:
   ``AcceptanceModel``). ``n = 1`` is plain batched decoding, without a drafter pass: as the batch
   grows, ``verify(B * n)`` grows and plain steps win by themselves. When speculation loses, plain
   steps run for a stretch that doubles while it keeps losing, then one cycle probes again.
-  ``policy="fixed"`` verifies the whole block. Chains only: trees stay single-sequence.
+  ``policy="fixed"`` verifies the whole block. Chains only: trees are for a lone sequence.
 * **Per sequence**: sampling settings, seeds, penalties, stops and limits are the
   single-sequence engine's (:func:`~dflash.speculative.build_request`, ``BlockSampler.accept``,
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output
@@ -69,10 +79,12 @@ from .speculative import (
     StepResult,
     _Detokenizer,
     _snapshot,
+    _speculative_step,
     build_request,
     count_step,
     emit,
     first_token,
+    new_state,
     prefill_chunk,
     run_request,
 )
@@ -88,7 +100,6 @@ from .verify_policy import (
     MARGIN,
     MAX_BACKOFF,
     Plan,
-    VerifyPolicy,
     batch_width,
     check_policy,
     draft_candidates,
@@ -101,6 +112,12 @@ REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).param
                          if name not in ("parts", "draft", "tokenizer", "prompt")
                          and name not in ENGINE_SETTINGS)
 BATCHED_POLICIES = ("auto", "fixed")
+# Most plain one-token steps a lone sequence takes in one engine step (the single-sequence policy
+# backs off for up to MAX_BACKOFF): a request arriving meanwhile waits at most these.
+LONE_STRETCH = 16
+# Prompt tokens (in prefill chunks) the batch may wait for, without decoding, while a burst of
+# arriving prompts is prefilled: enough for a few chat-sized prompts, not one long document.
+PREFILL_BURST = 2
 
 
 @dataclass
@@ -118,7 +135,7 @@ class BatchEvent:
 class _Sequence:
     uid: int
     request: DecodeRequest
-    state: DecodeState
+    state: DecodeState | None  # None in the one-at-a-time fallback (its stream keeps one)
     stats: DFlashResponse
     detok: _Detokenizer
     cache: list | None = None  # its own caches while it prefills
@@ -190,6 +207,7 @@ class BatchGenerator:
         self.probe = False
         self.cancelled: set[int] = set()
         self.next_uid = 0
+        self.stalled = 0  # prompt tokens prefilled since the last decode cycle
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -207,12 +225,7 @@ class BatchGenerator:
                                 block_size=self.block_size, policy=self.policy,
                                 prefill_step_size=self.prefill_chunk, **settings)
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
-        policy = None if self.fallback else VerifyPolicy(request.policy, request.block_size,
-                                                         self.cost)
-        state = DecodeState(None, None, history=list(request.prompt_ids),
-                            fed=list(request.prompt_ids), policy=policy,
-                            accepted_at=[0] * (request.block_size - 1),
-                            proposed_at=[0] * (request.block_size - 1))
+        state = None if self.fallback else new_state(self.parts, request, None, None, self.cost)
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),
@@ -236,22 +249,54 @@ class BatchGenerator:
     # -- the engine step ----------------------------------------------------------------------
 
     def step(self) -> list[BatchEvent]:
-        """One engine step: leaves, at most one prefill chunk, one decode cycle."""
+        """One engine step: leaves, at most one prefill chunk, then one decode cycle unless a
+        burst of prompts is still being prefilled (see :meth:`_prefill_first`)."""
         events: list[BatchEvent] = []
         self._leave_cancelled(events)
         if self.fallback is not None:
             self._step_one_at_a_time(events)
             return events
-        budget = self.prefill_chunk  # prompt tokens this step may prefill
-        while budget > 0:
-            if self.prefilling is None and self.queue and len(self.rows) < self.max_batch:
-                self._start_prefill(self.queue.popleft())
-            if self.prefilling is None:
-                break
-            budget -= self._prefill_step(events, budget)
-        if self.rows:
+        first = self._prefill_first()
+        fed = self._prefill(events)
+        if first:  # the first tokens go out now; decoding waits for the burst's prefills
+            self.stalled += fed
+            return events
+        self.stalled = 0
+        if len(self.rows) == 1 and self.prefilling is None and not self.queue:
+            self._lone_cycle(events)
+        elif self.rows:
             self._cycle(events)
         return events
+
+    def _next_prompt(self) -> _Sequence | None:
+        """The sequence the next prefill chunk is for, if any."""
+        if self.prefilling is not None:
+            return self.prefilling
+        return self.queue[0] if self.queue and len(self.rows) < self.max_batch else None
+
+    def _prefill_first(self) -> bool:
+        """Prefill without a decode cycle this step? Yes while the next waiting prompt can be
+        prefilled to its end within ``PREFILL_BURST`` chunks of prompt tokens since the last
+        cycle: a burst of short prompts gets every first token before the batch decodes on
+        (measured at 4 clients: the burst's last first token waited two decode cycles), while
+        a long prompt still costs the others one chunk per cycle."""
+        seq = self._next_prompt()
+        if seq is None:
+            return False
+        if not self.rows:
+            self.stalled = 0  # nobody waits
+            return True
+        left = len(seq.request.prompt_ids) - seq.prefilled
+        return self.stalled + left <= PREFILL_BURST * self.prefill_chunk
+
+    def _prefill(self, events: list[BatchEvent]) -> int:
+        """Up to ``prefill_chunk`` prompt tokens, from the head of the queue; the tokens fed."""
+        budget = self.prefill_chunk
+        while budget > 0 and self._next_prompt() is not None:
+            if self.prefilling is None:
+                self._start_prefill(self.queue.popleft())
+            budget -= self._prefill_step(events, budget)
+        return self.prefill_chunk - budget
 
     def _start_prefill(self, seq: _Sequence) -> None:
         self.prefilling, seq.tic = seq, time.perf_counter()
@@ -327,13 +372,55 @@ class BatchGenerator:
         self._event(seq, response, events)
         if response.finish_reason is not None:
             return
-        for ragged, c in zip(self.cache + self.dcache, seq.cache + seq.dcache):
-            if isinstance(c, ArraysCache):
-                ragged.add(c[0], c[1])
-            else:
-                ragged.add(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+        if self.rows or self.prompt_cache is not None:
+            # (Copied into the batch: the prompt cache keeps these for the next prompt.)
+            self._to_batch()
+            self._add_row(seq.cache, seq.dcache)
+        else:  # alone so far: it keeps its own caches (see _lone_cycle)
+            seq.state.cache, seq.state.dcache = seq.cache, seq.dcache
         seq.cache = seq.dcache = None
         self.rows.append(seq)
+
+    # -- a sequence alone: the single-sequence engine's cycle ---------------------------------
+
+    def _add_row(self, cache: list, dcache: list) -> None:
+        for ragged, c in zip(self.cache + self.dcache, cache + dcache):
+            ragged.add_cache(c)
+
+    def _to_batch(self) -> None:
+        """A lone sequence's own caches become row 0 of the batch (another one joins)."""
+        if len(self.rows) != 1 or self.rows[0].state.cache is None:
+            return
+        state = self.rows[0].state
+        self._add_row(state.cache, state.dcache)
+        state.cache = state.dcache = None
+        # The batch judges speculation itself; the lone cycle's last plan is stale there.
+        state.policy.expected = None
+
+    def _lone_cycle(self, events: list[BatchEvent]) -> None:
+        """One cycle of the single-sequence engine (:func:`~dflash.speculative._speculative_step`:
+        its policy, draft trees, pipelined plain steps) for the only sequence, on ordinary
+        caches taken from the batch's one row; its state (policy statistics, acceptance
+        calibration, sampler, stats) is the one it decodes with in a batch."""
+        seq = self.rows[0]
+        state = seq.state
+        if state.cache is None:
+            state.cache = [c.only_row() for c in self.cache]
+            state.dcache = [c.only_row() for c in self.dcache]
+        # A long plain stretch goes in pieces, so a request arriving meanwhile waits at most
+        # LONE_STRETCH steps for its prefill.
+        held = max(0, state.policy.backoff - LONE_STRETCH)
+        state.policy.backoff -= held
+        t0 = time.perf_counter()
+        step = _speculative_step(self.parts, self.draft, seq.request, state,
+                                 min(seq.request.block_size, seq.remaining), seq.remaining)
+        count_step(seq.stats, state, step, t0, time.perf_counter())
+        state.policy.backoff += held
+        response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic)
+        self._event(seq, response, events)
+        if response.finish_reason is not None:
+            state.cache = state.dcache = None
+            self.rows = []
 
     # -- one decode cycle for every row -------------------------------------------------------
 
@@ -390,6 +477,7 @@ class BatchGenerator:
             s.state.pending_taps = None
 
     def _cycle(self, events: list[BatchEvent]) -> None:
+        self._to_batch()  # a lone sequence while another prefills
         t0 = time.perf_counter()
         rows = self.rows
         anchors = [s.state.history[-1] for s in rows]

@@ -589,11 +589,12 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _ours(pair, prompts: list[list[int]], clients: int, max_tokens: int, policy: str) -> dict:
+def _ours(pair, prompts: list[list[int]], clients: int, max_tokens: int, policy: str,
+          max_batch: int | None = None) -> dict:
     from .batch import BatchGenerator
 
-    engine = BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=clients,
-                            policy=policy)
+    engine = BatchGenerator(pair.model, pair.draft, pair.tokenizer,
+                            max_batch=max_batch or clients, policy=policy)
 
     def step():
         return [(e.uid, e.tokens, e.finish_reason is not None, e.stats) for e in engine.step()]
@@ -657,15 +658,22 @@ def run_concurrency_bench(model: str | None = None, draft: str | None = None,
                           chat_template: bool = True, system: str | None = None,
                           template_kwargs: dict | None = None, policy: str | None = None,
                           warmup: bool = True, log: Callable[[str], None] | None = None,
-                          pair=None) -> dict:
+                          pair=None, max_batch: int | None = None) -> dict:
     """Greedy answers to every prompt, ``concurrency`` clients at a time, through the batched
     engine (:mod:`dflash.batch`) and through mlx-lm's batching on the same target, in this
-    process; with one client also through the single-sequence engine."""
+    process; with one client also through the single-sequence engine.
+
+    ``max_batch``: the batched engine's (default ``concurrency``). One client with
+    ``max_batch > 1`` is what a server with room for more sees when one user is on it (with
+    ``max_batch=1`` the batched engine is the single-sequence engine by construction)."""
     say = log or (lambda _msg: None)
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency={concurrency!r}: must be an integer >= 1")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
+    max_batch = concurrency if max_batch is None else max_batch
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch={max_batch!r}: must be an integer >= 1")
     source, items = load_prompts(prompts, limit)
     if pair is None:
         from .pair import load_pair
@@ -678,14 +686,15 @@ def run_concurrency_bench(model: str | None = None, draft: str | None = None,
     policy = policy or "auto"
     if warmup:
         say("warming up ...")
-        _ours(pair, encoded[:concurrency], concurrency, 8, policy)
+        _ours(pair, encoded[:concurrency], concurrency, 8, policy, max_batch)
         _mlx_lm(pair, encoded[:concurrency], concurrency, 8)
     say(f"dflash batched engine, {concurrency} at a time ...")
-    ours = _ours(pair, encoded, concurrency, max_tokens, policy)
+    ours = _ours(pair, encoded, concurrency, max_tokens, policy, max_batch)
     say(f"mlx-lm batching, {concurrency} at a time ...")
     theirs = _mlx_lm(pair, encoded, concurrency, max_tokens)
     result = {"config": _environment(pair) | {"prompts": source, "n_prompts": len(items),
                                               "concurrency": concurrency,
+                                              "max_batch": max_batch,
                                               "max_tokens": max_tokens, "policy": policy},
               "dflash": ours, "mlx_lm": theirs,
               "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]
@@ -710,7 +719,8 @@ def run_concurrency_bench(model: str | None = None, draft: str | None = None,
 
 def format_concurrency(result: dict) -> str:
     cfg, ours, theirs = result["config"], result["dflash"], result["mlx_lm"]
-    lines = [f"{cfg['n_prompts']} prompts ({cfg['prompts']}), {cfg['concurrency']} at a time, "
+    lines = [f"{cfg['n_prompts']} prompts ({cfg['prompts']}), {cfg['concurrency']} at a time "
+             f"(max_batch {cfg.get('max_batch', cfg['concurrency'])}), "
              f"{cfg['max_tokens']} tokens, greedy, policy {cfg['policy']}",
              f"{'':24}{'tokens/s':>10}{'tok/CPU-s':>10}{'TTFT p50':>10}{'TTFT p95':>10}"]
     rows = [("dflash batched", ours), ("mlx-lm batching", theirs)]

@@ -408,17 +408,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         if args.concurrency < 1:
             raise CLIError(f"--concurrency {args.concurrency}: must be >= 1", code=2)
+        if args.max_batch is not None and args.max_batch < 1:
+            raise CLIError(f"--max-batch {args.max_batch}: must be >= 1", code=2)
         result = run_concurrency_bench(
             model=args.model, draft=args.draft, prompts=args.prompts,
             concurrency=args.concurrency, max_tokens=args.max_tokens, limit=args.limit,
             chat_template=not args.no_chat_template, system=args.system,
             template_kwargs=template_kwargs(args), policy=args.policy,
-            warmup=not args.no_warmup, log=log)
+            warmup=not args.no_warmup, log=log, max_batch=args.max_batch)
         print(format_concurrency(result), flush=True)
         if args.out is not None:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"concurrency-{args.concurrency}.json").write_text(
+            batch = "" if args.max_batch is None else f"-batch{args.max_batch}"
+            (out / f"concurrency-{args.concurrency}{batch}.json").write_text(
                 json.dumps(result, indent=1, default=str) + "\n")
         return 0
     try:
@@ -530,6 +533,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="serve the prompts N at a time through the batched engine and through "
                         "mlx-lm's batching (greedy); report aggregate tokens/s, their ratio and "
                         "time to first token")
+    p.add_argument("--max-batch", type=int, default=None, metavar="B",
+                   help="with --concurrency: the batched engine's max batch (default N); "
+                        "--concurrency 1 --max-batch 4 compares one client through the batched "
+                        "engine with the single-sequence engine")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="(default 0)")

@@ -17,11 +17,17 @@ right-ragged instead:
 The mlx-lm attention modules call it through ``update_and_fetch`` and the model's mask through
 ``make_mask``, like any mlx-lm cache. Sliding windows are not supported (the engine falls back
 to one sequence at a time for such targets).
+
+A sequence moves between a batch and its own ordinary caches (``KVCache``, ``ArraysCache``):
+:meth:`RaggedKVCache.add_cache` makes one a new row, :meth:`RaggedKVCache.only_row` hands a
+batch's single row back as one (no copy), so a sequence decoding alone runs the single-sequence
+engine (draft trees, pipelined plain steps) on an ordinary cache.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 
 class RaggedKVCache:
@@ -102,6 +108,21 @@ class RaggedKVCache:
             self.values = mx.concatenate([self.values, mx.pad(values, pad)])
         self.set_lengths(self.lengths + [length])
 
+    def add_cache(self, cache: KVCache) -> None:
+        """A sequence's own ``KVCache`` becomes a new row."""
+        self.add(cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :])
+
+    def only_row(self) -> KVCache:
+        """The batch's one row as an ordinary ``KVCache`` (sharing its buffer); the batch is
+        left empty."""
+        if self.batch != 1:
+            raise ValueError(f"only_row: the batch holds {self.batch} rows, not 1")
+        cache = KVCache()
+        cache.keys, cache.values, cache.offset = self.keys, self.values, self.lengths[0]
+        self.keys = self.values = None
+        self.set_lengths([])
+        return cache
+
     def keep(self, rows: list[int]) -> None:
         """Keep rows ``rows`` (in that order); the capacity shrinks to what they need."""
         lengths = [self.lengths[i] for i in rows]
@@ -141,6 +162,19 @@ class RaggedArraysCache:
         else:
             self.cache = [mx.concatenate([self.cache[0], conv]),
                           mx.concatenate([self.cache[1], recurrent])]
+
+    def add_cache(self, cache: ArraysCache) -> None:
+        """A sequence's own ``ArraysCache`` becomes a new row."""
+        self.add(cache[0], cache[1])
+
+    def only_row(self) -> ArraysCache:
+        """The batch's one row as an ordinary ``ArraysCache``; the batch is left empty."""
+        if self.cache[0] is None or self.cache[0].shape[0] != 1:
+            raise ValueError("only_row: the batch does not hold exactly 1 row")
+        cache = ArraysCache(2)
+        cache[0], cache[1] = self.cache
+        self.cache = [None, None]
+        return cache
 
     def keep(self, rows: list[int]) -> None:
         if not rows:

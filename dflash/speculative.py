@@ -287,20 +287,28 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
     cost = cost_model(parts, draft) if request.policy in ("auto", "tree") else None
-    state = DecodeState(cache, dcache, history=list(request.prompt_ids),
-                        fed=list(request.prompt_ids),
-                        policy=VerifyPolicy(request.policy, request.block_size, cost,
-                                            request.min_confidence,
-                                            trees=tree_supported(parts, cache),
-                                            tree_budget=request.tree_budget),
-                        accepted_at=[0] * (request.block_size - 1),
-                        proposed_at=[0] * (request.block_size - 1))
+    state = new_state(parts, request, cache, dcache, cost)
     try:
         yield from _decode(parts, draft, tokenizer, request, state, reused, prompt_cache)
     except BaseException:
         if prompt_cache is not None:
             prompt_cache.clear()  # caches may be mid-update
         raise
+
+
+def new_state(parts, request: DecodeRequest, cache: list | None, dcache: list | None,
+              cost) -> DecodeState:
+    """A sequence's state before its first token, with its own verify policy (shared by the
+    single-sequence and batched engines: a batched sequence that runs alone decodes with this
+    engine's cycle, on the same state). ``cache is None``: its caches come later."""
+    trees = tree_supported(parts, make_cache(parts) if cache is None else cache)
+    return DecodeState(cache, dcache, history=list(request.prompt_ids),
+                       fed=list(request.prompt_ids),
+                       policy=VerifyPolicy(request.policy, request.block_size, cost,
+                                           request.min_confidence, trees=trees,
+                                           tree_budget=request.tree_budget),
+                       accepted_at=[0] * (request.block_size - 1),
+                       proposed_at=[0] * (request.block_size - 1))
 
 
 def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:

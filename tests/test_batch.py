@@ -124,6 +124,135 @@ def test_planted_partial_acceptance_stays_exact(kind, policy, loaded_pair):
         assert len(st.acceptance_by_position) == 5
 
 
+class LoneOracle(BatchOracle):
+    """:class:`BatchOracle` for batched cycles; for a lone sequence's single-sequence cycles
+    (``block_scores``) each row's true token sits behind ``rank(cycle, j)`` wrong ones (as in
+    tests/tiny_models.py's ranked oracle), so a draft tree accepts through runner-up branches."""
+
+    def __init__(self, draft, references, plant, rank):
+        super().__init__(draft, references, plant)
+        self.rank, self.lone_cycles = rank, 0
+
+    def block_scores(self, target, anchor, block_len, cache):
+        real = self.inner.block_logits(target, anchor, block_len, cache)
+        (seq,) = self.engine.rows
+        full = self.references[tuple(seq.request.prompt_ids)]
+        pos = cache[0].offset  # an ordinary KVCache: the lone path
+        assert full[pos] == anchor
+        planted = np.zeros((block_len - 1, real.shape[-1]), np.float32)
+        for j in range(1, block_len):
+            tok = full[pos + j] if pos + j < len(full) else 0
+            r = self.rank(self.lone_cycles, j - 1)
+            for i in range(r + 1):  # wrong tokens first, then the true one
+                planted[j - 1, (tok + 1 + i) % real.shape[-1] if i < r else tok] = 30.0 - 0.5 * i
+        self.lone_cycles += 1
+        return mx.array(planted) + 0 * real, None
+
+
+def flat_costs():
+    """A cost model where verify rows are free up to 64 (accelerator-like): under ``auto`` a
+    lone sequence verifies draft trees, and a batch verifies wide chains."""
+    from dflash.cost_model import CostModel
+
+    rows = [1, 2, 4, 8, 16, 32, 64, 128]
+    return CostModel(key="t", machine={}, rows=rows, contexts=[128],
+                     verify_ms=[[10.0] * 7 + [20.0]], draft_rows=[2, 4, 8, 16],
+                     draft_ms=[1.0, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("cached", [False, True])
+def test_lone_sequence_runs_the_single_sequence_cycle_across_joins_and_leaves(kind, cached,
+                                                                              loaded_pair):
+    """1 -> 2 -> 1 -> 2 -> 1 sequences: a join while the lone one decodes (with draft trees on
+    attention targets), a leave that leaves one; every output is the target's own. With a
+    prompt cache (the server's), whose caches the next prompt starts from."""
+    from dflash.prompt_cache import PromptCache
+
+    model, tokenizer, draft = loaded_pair(kind)
+    prompts = prompts_for(tokenizer)
+    prompts[2] = prompts[1][:20] + prompts[2]  # C starts with B's first 20 tokens
+    lengths = {0: 60, 1: 10, 2: 14}  # A decodes throughout; B and C join and leave
+    refs = {tuple(prompts[i]): prompts[i] + alone(model, prompts[i], m + 8)
+            for i, m in lengths.items()}
+    oracle = LoneOracle(draft, refs, mixed_plant, RANKS)
+    engine = BatchGenerator(model, oracle, tokenizer, max_batch=3, prefill_chunk=16,
+                            block_size=8, policy="auto",
+                            prompt_cache=PromptCache() if cached else None)
+    engine.cost = flat_costs()  # before insert: each sequence's policy takes it
+    oracle.engine = engine
+    tokens, last, sizes = {}, {}, []
+
+    def step():
+        for e in engine.step():
+            tokens.setdefault(e.uid, []).extend(e.tokens)
+            last[e.uid] = e.stats
+        lone = len(engine.rows) == 1 and engine.rows[0].state.cache is not None
+        sizes.append("lone" if lone else len(engine.rows))
+
+    a = engine.insert(prompts[0], max_tokens=lengths[0])
+    while len(tokens.get(a, [])) < 12:
+        step()
+    b = engine.insert(prompts[1], max_tokens=lengths[1])  # joins while A decodes alone
+    while b not in last or last[b].finish_reason is None:
+        step()
+    step()  # A alone again
+    c = engine.insert(prompts[2], max_tokens=lengths[2])
+    while engine.active or engine.pending:
+        step()
+    for uid, i in ((a, 0), (b, 1), (c, 2)):
+        assert tokens[uid] == refs[tuple(prompts[i])][len(prompts[i]):][:lengths[i]]
+        assert last[uid].finish_reason == "length"
+    # (A step with one row while another prompt is still prefilling runs the batched cycle.)
+    phases = [k for k in sizes if k != 1]
+    runs = [k for i, k in enumerate(phases) if i == 0 or phases[i - 1] != k]
+    assert runs[:4] == ["lone", 2, "lone", 2], sizes
+    assert oracle.lone_cycles > 0  # the single-sequence cycle drafted
+    stats = last[a]  # A's statistics span both engines' cycles
+    assert stats.generation_tokens == lengths[0] and stats.cycles >= 2
+    assert len(stats.acceptance_by_position) == 7
+    if kind == "qwen3":  # attention-only: the lone cycles verified trees
+        assert stats.tree_cycles > 0
+    else:  # hybrid: chains, the GatedDeltaNet state carried across
+        assert stats.tree_cycles == 0
+
+
+def RANKS(cycle, j):  # noqa: N802  (a rank function, as tests/test_tree_decode.py's RANKS)
+    return 1 if j == cycle % 3 else 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_a_burst_of_prompts_is_prefilled_before_decoding_and_stays_exact(kind, loaded_pair):
+    """Prompts of different lengths arriving together: the short ones all get their first token
+    before any sequence its second; a long one does not stall the others until it is done."""
+    model, tokenizer, draft = loaded_pair(kind)
+    words = prompts_for(tokenizer)
+    prompts = [words[0][:3], words[2][:11], words[4][:6], (words[3] * 2)[:90]]
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=4, prefill_chunk=16,
+                            block_size=6, policy="auto")
+    uids = [engine.insert(p, max_tokens=12) for p in prompts]
+    tokens, steps = {u: [] for u in uids}, []
+    while engine.active or engine.pending:
+        events = engine.step()
+        steps.append({e.uid: len(e.tokens) for e in events})
+        for e in events:
+            tokens[e.uid] += e.tokens
+    for p, u in zip(prompts, uids):
+        assert tokens[u] == alone(model, p, 12)
+
+    def first_step(uid, n):  # the step after which ``uid`` had ``n`` tokens
+        total = 0
+        for i, s in enumerate(steps):
+            total += s.get(uid, 0)
+            if total >= n:
+                return i
+
+    short = uids[:3]
+    assert max(first_step(u, 1) for u in short) < min(first_step(u, 2) for u in short)
+    # The long prompt (6 chunks) was prefilled alongside decoding: the others went on.
+    assert any(first_step(u, 2) < first_step(uids[3], 1) for u in short)
+
+
 def test_stops_cancel_and_leaves_mid_flight(loaded_pair):
     model, tokenizer, draft = loaded_pair("qwen3")
     prompts = prompts_for(tokenizer)
@@ -309,3 +438,10 @@ def test_concurrency_bench_reports_both_engines(loaded_pair, tiny_pair):
     assert result["dflash"]["generated"] == result["mlx_lm"]["generated"] == 36
     assert result["ratio"] > 0 and result["dflash"]["ttft_p95"] >= result["dflash"]["ttft_p50"]
     assert "mlx-lm batching" in format_concurrency(result)
+    # One client through a batched engine with room for more (its lone-sequence path) against
+    # the single-sequence engine: the same tokens.
+    result = run_concurrency_bench(pair=pair, prompts=prompts, concurrency=1, max_batch=3,
+                                   max_tokens=12, warmup=False)
+    assert result["single"]["tokens"] == result["dflash"]["tokens"] == result["mlx_lm"]["tokens"]
+    assert result["config"]["max_batch"] == 3 and result["batched_vs_single"] > 0
+    assert "max_batch 3" in format_concurrency(result)

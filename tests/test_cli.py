@@ -197,6 +197,9 @@ def test_bad_paths_and_settings_give_one_line(pair, tmp_path):
     line = one_error_line(run("serve", "--model", target, "--draft", draft,
                               "--max-concurrency", 0), code=2)
     assert "--max-concurrency 0" in line
+    line = one_error_line(run("bench", "--model", target, "--draft", draft, "--concurrency", 1,
+                              "--max-batch", 0), code=2)
+    assert "--max-batch 0" in line
     one_error_line(run("bench", "--model", target, "--draft", draft, "--prompts",
                        tmp_path / "none.jsonl"))
     one_error_line(run("bench", "--model", target, "--draft", draft, "--block-size", "4,x"),
