@@ -409,13 +409,11 @@ class BatchGenerator:
             state.dcache = [c.only_row() for c in self.dcache]
         # A long plain stretch goes in pieces, so a request arriving meanwhile waits at most
         # LONE_STRETCH steps for its prefill.
-        held = max(0, state.policy.backoff - LONE_STRETCH)
-        state.policy.backoff -= held
         t0 = time.perf_counter()
         step = _speculative_step(self.parts, self.draft, seq.request, state,
-                                 min(seq.request.block_size, seq.remaining), seq.remaining)
+                                 min(seq.request.block_size, seq.remaining), seq.remaining,
+                                 max_stretch=LONE_STRETCH)
         count_step(seq.stats, state, step, t0, time.perf_counter())
-        state.policy.backoff += held
         response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic)
         self._event(seq, response, events)
         if response.finish_reason is not None:

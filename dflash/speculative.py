@@ -31,6 +31,7 @@ from .target import (
 )
 from .tree import walk
 from .verify_policy import (
+    MAX_BACKOFF,
     Plan,
     VerifyPolicy,
     check_policy,
@@ -345,12 +346,13 @@ class StepResult(NamedTuple):
 
 
 def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
-                      remaining: int) -> StepResult:
-    """Draft -> verify (a chain, or a tree) -> accept -> roll back; or plain target steps while
-    the policy says speculation loses."""
+                      remaining: int, max_stretch: int = MAX_BACKOFF) -> StepResult:
+    """Draft -> verify (a chain, or a tree) -> accept -> roll back; or up to ``max_stretch``
+    plain target steps while the policy says speculation loses."""
     sampler, policy = request.sampler, state.policy
     anchor = state.history[-1]
-    stretch = min(policy.plain_stretch(len(state.fed)), remaining) if bs > 1 else 0
+    most = min(remaining, max_stretch)
+    stretch = policy.plain_stretch(len(state.fed), most) if bs > 1 else 0
     if stretch:
         return _plain_steps(parts, draft, request, state, stretch)
     proposals, q, plan, log_conf = [], None, None, None
@@ -377,7 +379,7 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
             if plan.plain:  # not worth verifying: the first step of the next plain stretch
                 policy.record(log_conf, plan, 0, None, bs)
                 return _plain_steps(parts, draft, request, state,
-                                    min(1 + policy.plain_stretch(len(state.fed)), remaining))
+                                    1 + policy.plain_stretch(len(state.fed), most - 1))
         if plan.tree is not None:
             return _verify_tree(parts, draft, request, state, plan, log_conf, bs)
         if argmax:

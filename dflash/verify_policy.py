@@ -276,13 +276,14 @@ class VerifyPolicy:
             return min(block, MIN_DRAFT_ROWS)
         return max(2, min(block, max(MIN_DRAFT_ROWS, max(self.depths) + 3)))
 
-    def plain_stretch(self, context: int) -> int:
+    def plain_stretch(self, context: int, most: int = MAX_BACKOFF) -> int:
         """Plain one-token target steps to take now, before the next speculative cycle (0:
-        speculate this cycle)."""
+        speculate this cycle); at most ``most``, the rest of the stretch is taken next time."""
         self.context = context
         if self.name != "auto":
             return 0
-        steps, self.backoff = self.backoff, 0
+        steps = min(self.backoff, max(0, most))
+        self.backoff -= steps
         return steps
 
     # -- after drafting -----------------------------------------------------------------------

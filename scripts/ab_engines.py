@@ -6,7 +6,8 @@ ref: its ``dflash/`` extracted with ``git archive`` and imported as ``dflash_bas
 checkout's run the same prompt ids on the same loaded pair, round-robin per prompt (the order
 alternating), and every greedy output is checked against mlx-lm's.
 
-    python scripts/ab_engines.py --draft /tmp/rand-drafter --limit 4 --rounds 3
+    python scripts/make_random_drafter.py $DFLASH_HOME/bench/random-drafter   # once
+    python scripts/ab_engines.py --draft $DFLASH_HOME/bench/random-drafter --limit 4 --rounds 3
     python scripts/ab_engines.py --ids chat-heldout --rounds 1
 """
 

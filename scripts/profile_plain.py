@@ -10,7 +10,8 @@ interleaved rounds, each variant from its own prefill of the same prompt ids, gr
 * ``plain-notaps``: the same stretch through a forward without taps (what the taps cost);
 * ``dflash``: the whole loop (``stream_generate``, policy ``auto``) with the given drafter.
 
-    python scripts/profile_plain.py --draft /tmp/rand-drafter --tokens 96 --rounds 6
+    python scripts/make_random_drafter.py $DFLASH_HOME/bench/random-drafter   # once
+    python scripts/profile_plain.py --draft $DFLASH_HOME/bench/random-drafter --tokens 96 --rounds 6
 
 Every variant's tokens must equal mlx-lm's (checked; a mismatch is printed).
 """
