@@ -9,6 +9,10 @@ generation with a (target, drafter, dtype, device, MLX version) measures:
 
 * ``verify_ms[context][rows]``: one target pass over ``rows`` new tokens after ``context`` cached
   ones, for a few row counts and two context lengths (linear interpolation between them);
+* ``step_ms[context]``: one plain one-token step as greedy decoding takes it, each pass queued on
+  the previous pass's still-lazy token (mlx-lm's own pipelining). The host builds the next pass's
+  graph while the device runs this one, so a pipelined step costs less than a lone one-row pass:
+  the policy weighs speculation against the plain steps it would really take;
 * ``draft_ms[rows]``: one drafter block pass of ``rows`` rows.
 
 It takes a few seconds (with a progress line): each shape's fastest of three round-robin timings,
@@ -26,7 +30,7 @@ import os
 import platform
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,10 +39,11 @@ from mlx_lm.models.cache import ArraysCache
 from .console import log
 from .errors import MissingDependencyError
 
-FORMAT = "dflash-cost/1"
+FORMAT = "dflash-cost/2"
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_ROWS = (2, 4, 8, 16)
 CONTEXTS = (128, 1024)
+PIPELINED_STEPS = 8  # plain steps per pipelined timing (the first pass is not hidden)
 MAX_AGE_DAYS = 30  # drivers, thermals and background load change: re-measure now and then
 
 _memory: dict[str, CostModel] = {}
@@ -76,11 +81,19 @@ class CostModel:
     draft_ms: list[float]
     measured_at: str = ""
     format: str = FORMAT
+    step_ms: list[float] = field(default_factory=list)  # [context index]; empty: verify(1)
 
     def verify(self, rows: int, context: int = 256) -> float:
         """Milliseconds of one target pass over ``rows`` tokens after ``context`` cached ones."""
         per_context = [_interp(rows, self.rows, ms) for ms in self.verify_ms]
         return max(1e-3, _interp(context, self.contexts, per_context))
+
+    def step(self, context: int = 256, pipelined: bool = True) -> float:
+        """Milliseconds of one plain one-token step: pipelined (greedy decoding) or a lone pass."""
+        lone = self.verify(1, context)
+        if not pipelined or len(self.step_ms) != len(self.contexts):
+            return lone
+        return max(1e-3, min(lone, _interp(context, self.contexts, self.step_ms)))
 
     def draft(self, rows: int) -> float:
         """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
@@ -151,6 +164,20 @@ def _monotone(values: list[float]) -> list[float]:
     return out
 
 
+def _snapshot(cache: list) -> list:
+    """What :func:`_restore` needs: recurrent (GatedDeltaNet) states cannot trim, keep their arrays."""
+    return [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+
+
+def _restore(cache: list, saved: list, n: int) -> None:
+    """Undo the last ``n`` tokens of a timing pass."""
+    for c, state in zip(cache, saved):
+        if state is None:
+            c.trim(n)
+        else:
+            c.cache = state
+
+
 def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
             rounds: int = 3, quiet: bool = False) -> CostModel:
     """Time target passes of ``rows`` rows at ``contexts`` and drafter passes of ``draft_rows``."""
@@ -160,7 +187,7 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
         log(f"measuring this machine's verify and draft costs ({len(rows) * len(contexts)} "
             "target shapes, once; cached) ...")
     tic = time.perf_counter()
-    verify_ms = []
+    verify_ms, step_ms = [], []
     for context in contexts:
         cache = make_cache(parts)
         prompt = (mx.arange(context) % max(2, parts.vocab_size - 1))[None] + 1
@@ -171,18 +198,29 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
             tokens = (mx.arange(r) % max(2, parts.vocab_size - 1))[None] + 1
 
             def verify(tokens=tokens, r=r, cache=cache):
-                # Recurrent (GatedDeltaNet) states cannot trim: put the old arrays back.
-                saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+                saved = _snapshot(cache)
                 out, _ = forward(parts, tokens, cache, draft.target_layer_ids)
                 mx.eval(out)
-                for c, state in zip(cache, saved):
-                    if state is None:
-                        c.trim(r)
-                    else:
-                        c.cache = state
+                _restore(cache, saved, r)
 
             passes.append(verify)
-        verify_ms.append(_monotone(_fastest_ms(passes, rounds)))
+
+        def plain_steps(cache=cache, n=PIPELINED_STEPS):
+            saved = _snapshot(cache)
+            token = mx.array([[1]])
+            for i in range(n):
+                logits, _ = forward(parts, token, cache, draft.target_layer_ids)
+                lazy = mx.argmax(logits[:, -1:], axis=-1)
+                mx.async_eval(lazy)
+                if i:  # read the previous token while this pass runs
+                    token.item()
+                token = lazy
+            token.item()
+            _restore(cache, saved, n)
+
+        *timed, plain = _fastest_ms(passes + [plain_steps], rounds)
+        verify_ms.append(_monotone(timed))
+        step_ms.append(plain / PIPELINED_STEPS)
     dcache = draft.make_cache()
     draft.append_context(taps, dcache)
     mx.eval([c.state for c in dcache])
@@ -190,10 +228,12 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
         [lambda n=n: mx.eval(draft.block_logits(parts, 1, n, dcache)) for n in draft_rows], rounds))
     model = CostModel(key=cost_key(parts, draft), machine=machine_id(), rows=list(rows),
                       contexts=list(contexts), verify_ms=verify_ms, draft_rows=list(draft_rows),
-                      draft_ms=draft_ms, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                      draft_ms=draft_ms, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      step_ms=step_ms)
     if not quiet:
         log(f"measured in {time.perf_counter() - tic:.1f} s: verify 1 row "
-            f"{model.verify(1):.1f} ms, 16 rows {model.verify(16):.1f} ms; draft 16 rows "
+            f"{model.verify(1):.1f} ms (pipelined step {model.step():.1f} ms), 16 rows "
+            f"{model.verify(16):.1f} ms; draft 16 rows "
             f"{model.draft(16):.1f} ms")
     return model
 
@@ -274,6 +314,10 @@ def format_table(model: CostModel) -> str:
         values = [row[f"{name}@{c}"] for c in model.contexts
                   for name in ("verify_ms", "x_step")]
         lines.append(f"{row['rows']:>4} " + "".join(f"{v:>13.2f}" for v in values))
+    if model.step_ms:
+        lines += ["", "plain step, pipelined as greedy decoding takes it: " + ", ".join(
+            f"{ms:.2f} ms @{c} ({ms / model.verify(1, c):.2f} of a lone 1-row pass)"
+            for c, ms in zip(model.contexts, model.step_ms))]
     lines += ["", "draft: one drafter block pass", "block_rows          ms"]
     lines += [f"{n:>10} {ms:>11.2f}" for n, ms in zip(model.draft_rows, model.draft_ms)]
     return "\n".join(lines)

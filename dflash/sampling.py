@@ -261,6 +261,12 @@ class BlockSampler:
     def greedy(self) -> bool:
         return self.cfg.greedy
 
+    @property
+    def pipelines_plain_steps(self) -> bool:
+        """Plain one-token steps can be queued on the previous step's still-lazy token (greedy,
+        no history-dependent processors, no custom sampler), as mlx-lm's own decoding does."""
+        return self.greedy and not self.has_history_processors and self.cfg.sampler is None
+
     # -- processors -------------------------------------------------------------------------
 
     @property

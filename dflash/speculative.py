@@ -307,7 +307,8 @@ def new_state(parts, request: DecodeRequest, cache: list | None, dcache: list | 
                        fed=list(request.prompt_ids),
                        policy=VerifyPolicy(request.policy, request.block_size, cost,
                                            request.min_confidence, trees=trees,
-                                           tree_budget=request.tree_budget),
+                                           tree_budget=request.tree_budget,
+                                           pipelined=request.sampler.pipelines_plain_steps),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1))
 
@@ -414,7 +415,7 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
     overlaps the next pass. Stops early at a stop id (a queued pass then fed it: ``fed`` says so).
     """
     sampler, tap_ids = request.sampler, draft.target_layer_ids
-    pipelined = sampler.greedy and not sampler.has_history_processors and sampler.cfg.sampler is None
+    pipelined = sampler.pipelines_plain_steps
     started = time.perf_counter()
 
     def step(token) -> tuple[mx.array, mx.array]:

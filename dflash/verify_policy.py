@@ -234,13 +234,14 @@ class VerifyPolicy:
 
     def __init__(self, name: str, block_size: int, cost: CostModel | None = None,
                  min_confidence: float = 0.0, trees: bool = False,
-                 tree_budget: int | None = None):
+                 tree_budget: int | None = None, pipelined: bool = False):
         check_policy(name)
         if name in ("auto", "tree") and cost is None:
             raise GenerationConfigError(f"policy={name!r} needs a cost model")
         check_trees_possible(name, trees)
         most = check_tree_budget(tree_budget, cost)
         self.name, self.cost, self.min_confidence = name, cost, float(min_confidence)
+        self.pipelined = pipelined  # plain steps queue on the previous lazy token (greedy)
         self.tree_budget = tree_budget or min(DEFAULT_TREE_BUDGET, most)
         # Under auto, a given tree_budget caps the trees considered.
         cap = min(most, tree_budget or most)
@@ -323,7 +324,7 @@ class VerifyPolicy:
         # back when the text changes.
         if (VERIFIED_LOSSES <= self.losses and not self.agreed
                 and 2 ** self.losses < MAX_BACKOFF
-                and self.expected * self.cost.verify(1, self.context) < 1.0):
+                and self.expected * self._plain_ms() < 1.0):
             return Plan(0, plain=True)
         return best
 
@@ -366,11 +367,16 @@ class VerifyPolicy:
         rate = 0.5 * (self.expected + (accepted + 1) / cycle_ms)
         self.rate = rate if self.rate is None else (1 - EMA) * self.rate + EMA * rate
         # A losing cycle counts at once; the average keeps one lucky cycle from hiding a trend.
-        if min(self.rate, rate) < MARGIN / self.cost.verify(1, self.context):
+        if min(self.rate, rate) < MARGIN / self._plain_ms():
             self.agreed |= accepted > 0
             self._lost()
         else:
             self.losses, self.agreed = 0, False
+
+    def _plain_ms(self) -> float:
+        """What the plain step that speculation competes with costs: pipelined under greedy
+        decoding, where the host builds the next pass while this one runs."""
+        return self.cost.step(self.context, self.pipelined)
 
     def _lost(self) -> None:
         """Speculation lost this cycle: a plain stretch twice as long as the last one."""

@@ -102,6 +102,29 @@ def test_corrupt_calibration_is_measured_again_and_said_once(qwen3, home, capsys
     assert json.loads(path.read_text())["key"] == path.stem  # replaced by a good measurement
 
 
+def test_calibration_times_the_pipelined_plain_step(qwen3, home):
+    model, _, draft, _, _ = qwen3
+    cost = costs.cost_model(target_parts(model), draft)
+    assert len(cost.step_ms) == len(cost.contexts) and min(cost.step_ms) > 0
+    for context in (64, *cost.contexts, 4096):
+        assert cost.step(context, pipelined=False) == cost.verify(1, context)
+        assert 0 < cost.step(context) <= cost.verify(1, context)
+    assert "plain step, pipelined" in costs.format_table(cost)
+
+
+def test_calibration_in_an_older_format_is_measured_again(qwen3, home, capsys):
+    path = _cache_file(qwen3)
+    _generate_fresh(qwen3)
+    data = json.loads(path.read_text())
+    data["format"] = "dflash-cost/1"  # before pipelined plain steps were timed
+    del data["step_ms"]
+    path.write_text(json.dumps(data))
+    _generate_fresh(qwen3)
+    err = capsys.readouterr().err
+    assert err.count("is unreadable") == 1 and err.count(MEASURING) == 2, err
+    assert json.loads(path.read_text())["format"] == costs.FORMAT
+
+
 @pytest.mark.slow
 def test_calibration_from_another_machine_is_measured_again_and_said_once(qwen3, home, capsys):
     path = _cache_file(qwen3)

@@ -254,3 +254,20 @@ def test_a_probe_expected_to_win_is_verified_and_a_winning_cycle_drafts_deeper()
     policy.record(log_probs[:, 0], plan, 3, None, 4)  # all accepted: the streak is over
     assert policy.losses == 0 and policy.plain_stretch(128) == 0
     assert policy.draft_rows(16) == 3 + 3  # the deepest recent plan and two more rows
+
+
+def test_speculation_is_weighed_against_the_plain_step_it_would_really_take():
+    """Greedy plain steps are pipelined (the host builds the next pass while this one runs), so a
+    plain step costs less than a lone one-row pass; a cycle that beats the lone pass but not the
+    pipelined step is a loss only where plain steps pipeline."""
+    model = cost([10.0] * 6)  # any verify pass costs 10 ms, a lone plain step too
+    model.step_ms = [2.0, 2.0]  # the pipelined plain step: 2 ms
+    assert model.step(128) == 2.0 and model.step(128, pipelined=False) == 10.0
+    losses = {}
+    for pipelined in (False, True):
+        policy = VerifyPolicy("auto", 16, model, pipelined=pipelined)
+        policy.plain_stretch(128)
+        plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
+        policy.record(confident(3)[0][:, 0], plan, 3, None, 4)  # 4 tokens in ~11 ms
+        losses[pipelined] = policy.losses
+    assert losses == {False: 0, True: 1}
