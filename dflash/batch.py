@@ -448,14 +448,15 @@ class BatchGenerator:
         self.probe = True
 
     def _draft_rows(self, cap: int) -> int:
-        """Rows of the drafter's block pass (anchor included): the widest recent width plus one
-        (room to widen by one row a pass), 3 before any pass. B blocks cost the drafter B times
-        a block: at 4 sequences verifying 2 rows each, drafting 4 rows each cost 17 ms of a
-        ~110 ms cycle on the CPU, 3 rows 15 ms (the rows past the verified ones are only read
-        for the next width)."""
+        """Rows of the drafter's block pass (anchor included): the widest recent width plus two,
+        at least 4 (and 4 before any pass: B blocks of a whole block each cost the drafter B
+        times a block, and most of those rows are never verified). (Measured: the widest
+        recent width plus one, at least 2, drafts less but lets the width only ratchet down
+        (a pass's width can be at most its drafted rows): at 4 clients 14 % speculative passes
+        instead of 33 %, 0.95x the tokens per CPU-second.)"""
         if self.policy == "fixed":
             return cap
-        return max(2, min(cap, max(self.widths, default=2) + 1))
+        return max(2, min(cap, max(4, max(self.widths, default=0) + 2)))
 
     def _sync_drafter(self) -> None:
         """Give the drafter's context every row's features of the tokens committed since."""
