@@ -172,6 +172,16 @@ def fill(engine, encoded, max_tokens: int) -> None:
         engine.step()
 
 
+def step_ms(step, n_steps: int) -> float:
+    """Wall ms per step over ``n_steps`` steps, after 3 unmeasured ones."""
+    for _ in range(3):
+        step()
+    tic = time.perf_counter()
+    for _ in range(n_steps):
+        step()
+    return 1e3 * (time.perf_counter() - tic) / n_steps
+
+
 def steps(pair, encoded, clients: int, rounds: int, n_steps: int) -> None:
     """Steady plain batched steps: ours against mlx-lm's, interleaved; then forced widths."""
     from mlx_lm.generate import BatchGenerator as LMBatchGenerator
@@ -182,12 +192,7 @@ def steps(pair, encoded, clients: int, rounds: int, n_steps: int) -> None:
                                              max_batch=clients)
         fill(engine, encoded, 10_000)
         engine.backoff = 10 ** 9  # plain steps only
-        for _ in range(3):
-            engine.step()
-        tic = time.perf_counter()
-        for _ in range(n_steps):
-            engine.step()
-        ours_ms.append(1e3 * (time.perf_counter() - tic) / n_steps)
+        ours_ms.append(step_ms(engine.step, n_steps))
         gen = LMBatchGenerator(pair.model, max_tokens=10_000, stop_tokens=[],
                                completion_batch_size=clients, prefill_batch_size=clients)
         gen.insert(encoded, [10_000] * len(encoded))
@@ -195,12 +200,7 @@ def steps(pair, encoded, clients: int, rounds: int, n_steps: int) -> None:
             _, responses = gen.next()
             if len(responses) == clients:
                 break
-        for _ in range(3):
-            gen.next()
-        tic = time.perf_counter()
-        for _ in range(n_steps):
-            gen.next()
-        theirs_ms.append(1e3 * (time.perf_counter() - tic) / n_steps)
+        theirs_ms.append(step_ms(gen.next, n_steps))
         gen.close()
         print(f"plain step at B={clients}: ours {ours_ms[-1]:.2f} ms, mlx-lm {theirs_ms[-1]:.2f} ms")
     print(f"median plain step: ours {statistics.median(ours_ms):.2f} ms, mlx-lm "
