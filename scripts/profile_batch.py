@@ -40,7 +40,6 @@ from pathlib import Path
 
 # isort: off
 import dflash  # noqa: F401  (OpenBLAS before mlx)
-from dflash import backend
 # isort: on
 import mlx.core as mx
 
@@ -260,9 +259,6 @@ def ab(pair, encoded, clients: int, max_tokens: int, base: str, rounds: int) -> 
     from ab_engines import import_base
 
     base_bench = import_base(base, Path(tempfile.mkdtemp()))
-    # Imported after mlx, the copy thinks OpenBLAS came too late and its cost model would call
-    # the cached calibration foreign and re-measure (and overwrite) it: the process is the same.
-    importlib.import_module("dflash_base.backend").blas_status = backend.blas_status
     # Its own drafter class (the engine calls the drafter's methods of its commit).
     base_pair = importlib.import_module("dflash_base.pair").load_pair()
     engines = {"mlx-lm": lambda prompts, n: bench._mlx_lm(pair, prompts, clients, n),
