@@ -337,12 +337,12 @@ class DFlashDraftModel(nn.Module):
         block = mx.array([anchor] + [self.mask_token_id] * (block_len - 1))[None]
         return self.head_scores(target, self(target.embed(block), cache)[0, 1:])
 
-    def block_logits_batch(self, target, anchors: list[int], block_len: int,
-                           cache: list[RaggedKVCache]) -> mx.array:
-        """Logits ``(B, block_len - 1, V)``: :meth:`block_logits` for every row of a ragged
-        context cache at once, each block right after its own row's context."""
+    def block_scores_batch(self, target, anchors: list[int], block_len: int,
+                           cache: list[RaggedKVCache]) -> tuple[mx.array, mx.array | None]:
+        """``(scores, ids)``: :meth:`block_scores` ``(B, block_len - 1, n)`` for every row of a
+        ragged context cache at once, each block right after its own row's context."""
         block = mx.array([[a] + [self.mask_token_id] * (block_len - 1) for a in anchors])
-        return self.head_logits(target, self(target.embed(block), cache)[:, 1:])
+        return self.head_scores(target, self(target.embed(block), cache)[:, 1:])
 
     def head_scores(self, target, hidden: mx.array) -> tuple[mx.array, mx.array | None]:
         """``(scores, ids)``: the target head's logits of draft hidden states over the draft

@@ -26,7 +26,7 @@ from pathlib import Path
 # isort: off
 import dflash  # noqa: F401  (OpenBLAS before mlx)
 # isort: on
-from dflash import bench
+from dflash import backend, bench
 from dflash.pair import load_pair
 from dflash.prompts import encode_prompt
 
@@ -41,6 +41,10 @@ def import_base(ref: str, into: Path):
         tar.extractall(into, filter="data")
     (into / "dflash").rename(into / "dflash_base")
     sys.path.append(str(into))
+    # Imported after mlx, the copy finds OpenBLAS "too late", so its cost model would call the
+    # cached calibration another machine's and re-measure (and overwrite) it; the process's BLAS
+    # is this one's.
+    importlib.import_module("dflash_base.backend").blas_status = backend.blas_status
     return importlib.import_module("dflash_base.bench")
 
 

@@ -275,8 +275,12 @@ def test_cut_vocabulary_scores_and_every_proposal_path_stay_exact(tmp_path, tiny
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_restricted_draft_vocabulary_in_the_batched_engine(policy, tmp_path, tiny_pair,
                                                            loaded_pair):
-    """The batched drafter pass maps a cut vocabulary's scores back for every row of the batch."""
+    """The batched drafter pass scores the cut vocabulary only, for every row of the batch;
+    greedy proposals come from the one host read of the candidates, a row with a logit bias
+    proposes through ``propose`` on full logits, in the same passes; all exact."""
+    from dflash.batch import BatchGenerator
     from dflash.model_mlx import batch_generate
+    from dflash.ragged_cache import RaggedKVCache
 
     target, _ = tiny_pair("qwen3")
     model, tokenizer, full_draft = loaded_pair("qwen3")
@@ -287,3 +291,22 @@ def test_restricted_draft_vocabulary_in_the_batched_engine(policy, tmp_path, tin
     results = batch_generate(model, draft, tokenizer, prompts, max_batch=3, max_tokens=24,
                              policy=policy)
     assert [r.tokens for r in results] == refs
+    cache = [RaggedKVCache() for _ in draft.layers]
+    for n in (3, 5):
+        one = draft.make_cache()
+        draft.append_context(mx.random.normal((1, n, 2 * draft.config.hidden_size)), one)
+        for ragged, c in zip(cache, one):
+            ragged.add_cache(c)
+    scores, ids = draft.block_scores_batch(target_parts(model), [5, 7], 4, cache)
+    assert scores.shape == (2, 3, len(vocab)) and ids.tolist() == vocab
+    bias = {vocab[-1]: 2.0, refs[0][3]: -1.5}
+    want = generate(model, full_draft, tokenizer, prompts[0], max_tokens=24,
+                    logit_bias=bias).tokens
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=3, policy=policy)
+    uids = [engine.insert(prompts[0], max_tokens=24, logit_bias=bias)]
+    uids += [engine.insert(p, max_tokens=24) for p in prompts[1:]]
+    tokens = {u: [] for u in uids}
+    while engine.active or engine.pending:
+        for e in engine.step():
+            tokens[e.uid] += e.tokens
+    assert [tokens[u] for u in uids] == [want] + refs[1:]
