@@ -68,6 +68,13 @@ class GrownTaps(sp.DecodeState):
         self.pending = [mx.concatenate(self.pending + [taps], axis=1)]
 
 
+class NoTaps(sp.DecodeState):
+    """A forward without taps (a stand-in drafter that asks for none) leaves nothing to keep."""
+
+    def commit_taps(self, taps: None) -> None:
+        pass
+
+
 def run_plain(pair, ids: list[int], n: int, taps: bool,
               state_type: type = sp.DecodeState) -> tuple[list[int], tuple[float, float]]:
     parts = target_parts(pair.model)
@@ -99,7 +106,7 @@ VARIANTS = {
     "mlx-lm": run_mlx_lm,
     "plain": lambda p, i, n: run_plain(p, i, n, True),
     "plain-grown": lambda p, i, n: run_plain(p, i, n, True, GrownTaps),
-    "plain-notaps": lambda p, i, n: run_plain(p, i, n, False),
+    "plain-notaps": lambda p, i, n: run_plain(p, i, n, False, NoTaps),
     "dflash": run_dflash,
 }
 
