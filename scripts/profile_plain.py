@@ -15,7 +15,11 @@ interleaved rounds, each variant from its own prefill of the same prompt ids, gr
     python scripts/make_random_drafter.py $DFLASH_HOME/bench/random-drafter   # once
     python scripts/profile_plain.py --draft $DFLASH_HOME/bench/random-drafter --tokens 96 --rounds 6
 
-Every variant's tokens must equal mlx-lm's (checked; a mismatch is printed).
+Every variant's tokens must equal mlx-lm's (checked; a mismatch is printed). On a loaded machine
+whole runs vary by more than the few per cent looked for; ``--steps N`` instead times N single
+synchronous steps per variant at a fixed context (each step's cache rows trimmed after it), the
+variants interleaved: ``mlx-lm`` (``generate_step``'s own ops: the model call, log-softmax, argmax),
+``plain`` and ``plain-notaps`` (``_plain_steps(..., 1)``); the minimum is the step's own cost.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 # isort: off
@@ -102,6 +107,50 @@ def run_dflash(pair, ids: list[int], n: int) -> tuple[list[int], tuple[float, fl
     return tokens, clock.per_token(n)
 
 
+def one_step_times(pair, ids: list[int], reps: int) -> dict[str, list[float]]:
+    """Seconds of ``reps`` synchronous one-token steps per variant, interleaved, at the context
+    right after the prompt (each step's rows are trimmed off its caches again)."""
+    parts, draft = target_parts(pair.model), pair.draft
+    request = sp.build_request(parts, draft, pair.tokenizer, ids, max_tokens=2)
+
+    def prefilled(state_type: type) -> sp.DecodeState:
+        state = state_type(make_cache(parts), draft.make_cache(), history=list(ids),
+                           fed=list(ids), policy=sp.VerifyPolicy("fixed", request.block_size))
+        state.history.append(sp.first_token(request, state, sp._prefill(parts, draft, request,
+                                                                         state, 0)))
+        return state
+
+    def mlx_lm(state: sp.DecodeState) -> None:  # generate_step's _step, then its token read
+        with mx.stream(generation_stream):
+            logits = pair.model(mx.array([[state.history[-1]]]), cache=state.cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            y = mx.argmax(logprobs, axis=-1)
+        mx.async_eval(y, logprobs)
+        y.item()
+
+    def plain(tapped) -> Callable[[sp.DecodeState], None]:
+        def run(state: sp.DecodeState) -> None:
+            sp._plain_steps(parts, tapped, request, state, 1)
+            mx.eval(state.take_taps(), [c.state for c in state.cache])
+            state.fed.pop()
+        return run
+
+    steps = {"mlx-lm": (mlx_lm, prefilled(sp.DecodeState)),
+             "plain": (plain(draft), prefilled(sp.DecodeState)),
+             "plain-notaps": (plain(SimpleNamespace(target_layer_ids=[])), prefilled(NoTaps))}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(reps + 2):  # two warm-up rounds
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            run, state = steps[name]
+            tic = time.perf_counter()
+            run(state)
+            if r >= 2:
+                times[name].append(time.perf_counter() - tic)
+            for c in state.cache:
+                c.trim(1)
+    return times
+
+
 VARIANTS = {
     "mlx-lm": run_mlx_lm,
     "plain": lambda p, i, n: run_plain(p, i, n, True),
@@ -120,10 +169,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=0,
+                    help="time this many single synchronous steps per variant instead")
     args = ap.parse_args()
     pair = load_pair(args.model, args.draft)
     _, items = load_prompts(args.prompts, None)
     ids = encode_prompt(pair.tokenizer, items[args.prompt_index])
+    if args.steps:
+        times = one_step_times(pair, ids, args.steps)
+        print(f"{len(ids)} prompt tokens, {args.steps} single steps per variant; ms: min, "
+              "median, 90th percentile; ratio of the minima to mlx-lm's")
+        for name, ts in times.items():
+            ts = sorted(ts)
+            print(f"{name:>13}: {1e3 * ts[0]:7.2f}  {1e3 * statistics.median(ts):7.2f}  "
+                  f"{1e3 * ts[int(0.9 * (len(ts) - 1))]:7.2f}  ratio "
+                  f"{times['mlx-lm'] and min(times['mlx-lm']) / ts[0]:.3f}")
+        return
     names = args.variants.split(",")
     for name in names:  # warm-up
         VARIANTS[name](pair, ids, 8)
