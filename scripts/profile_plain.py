@@ -2,8 +2,9 @@
 
 The ``auto`` policy takes plain one-token target steps while speculation loses (a drafter that
 never agrees: ~92 % of its steps). What such a step costs next to mlx-lm's own decoding is the
-floor of that case, so this script times, per generated token after the prefill (median over
-interleaved rounds, each variant from its own prefill of the same prompt ids, greedy):
+floor of that case, so this script times, per generated token after the prefill (wall and
+process CPU time; median over interleaved rounds, each variant from its own prefill of the same
+prompt ids, greedy):
 
 * ``mlx-lm``: ``mlx_lm.generate.generate_step`` (what ``mlx_lm.stream_generate`` runs);
 * ``plain``: one forced stretch of ``_plain_steps`` (taps kept for the drafter, as decoding does);
