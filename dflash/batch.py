@@ -461,7 +461,7 @@ class BatchGenerator:
 
     def _sync_drafter(self) -> None:
         """Give the drafter's context every row's features of the tokens committed since."""
-        pending = [s.state.pending_taps for s in self.rows]
+        pending = [s.state.take_taps() for s in self.rows]
         counts = [0 if p is None else p.shape[1] for p in pending]
         most = max(counts)
         if most == 0:
@@ -474,8 +474,6 @@ class BatchGenerator:
         self.draft.append_context(padded, self.dcache)
         for c in self.dcache:
             c.set_lengths([n + k for n, k in zip(before, counts)])
-        for s in self.rows:
-            s.state.pending_taps = None
 
     def _cycle(self, events: list[BatchEvent]) -> None:
         self._to_batch()  # a lone sequence while another prefills

@@ -263,21 +263,36 @@ class DecodeState:
     history: list[int]  # prompt + emitted tokens (what penalties and stops see)
     fed: list[int]  # tokens whose keys/values are in the target's cache
     policy: VerifyPolicy | None = None
-    pending_taps: mx.array | None = None  # target features the drafter has not seen yet
+    # Target features ``(1, k, F)`` of committed tokens the drafter has not seen yet, one piece
+    # per cycle or plain step: joined once when the drafter next drafts, not grown by a
+    # concatenation per step (a stretch of n steps would copy O(n^2) rows).
+    pending: list[mx.array] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     proposed_at: list[int] = field(default_factory=list)
     cycle_tokens: int = 0  # tokens emitted by speculative cycles (mean_tau's numerator)
 
     def sync_drafter(self, draft) -> None:
         """Give the drafter the features of the last committed tokens."""
-        if self.pending_taps is not None:
-            draft.append_context(self.pending_taps, self.dcache)
-            self.pending_taps = None
+        taps = self.take_taps()
+        if taps is not None:
+            draft.append_context(taps, self.dcache)
 
     def commit_taps(self, taps: mx.array) -> None:
         """Features of newly committed tokens, for the drafter's next block."""
-        self.pending_taps = taps if self.pending_taps is None else \
-            mx.concatenate([self.pending_taps, taps], axis=1)
+        self.pending.append(taps)
+
+    @property
+    def pending_rows(self) -> int:
+        """Committed tokens whose features the drafter has not seen yet."""
+        return sum(p.shape[1] for p in self.pending)
+
+    def take_taps(self) -> mx.array | None:
+        """The pending features ``(1, k, F)`` in one array (``None``: none), now the drafter's."""
+        if not self.pending:
+            return None
+        taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
+        self.pending = []
+        return taps
 
 
 def run_request(parts, draft, tokenizer, request: DecodeRequest,
@@ -403,7 +418,7 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     state.commit_taps(taps[:, : a + 1])
     policy.record(log_conf, plan or Plan(0), a, None, bs)
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
-    mx.async_eval(state.pending_taps, [c.state for c in state.cache])
+    mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, False)
 
 
@@ -448,7 +463,7 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
         if not pipelined:
             next_logits, next_taps = step(token)
         fed, logits, taps = token, next_logits, next_taps
-    mx.async_eval(state.pending_taps, [c.state for c in state.cache])
+    mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(out, len(out) - 1, 0, started, True)
 
 
@@ -474,7 +489,7 @@ def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan:
     state.fed += [tree.tokens[i] for i in keep]
     state.commit_taps(taps[:, mx.array(keep)])
     state.policy.record(log_conf, plan, len(path), path, bs)
-    mx.async_eval(state.pending_taps, [c.state for c in state.cache])
+    mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult([tree.tokens[i] for i in path] + [bonus], len(path), len(tree) - 1,
                       drafted, False, depths=max(tree.depths))
 

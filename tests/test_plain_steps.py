@@ -25,7 +25,7 @@ from tiny_models import OracleDrafter
 from dflash import cost_model as costs
 from dflash import speculative as sp
 from dflash.model_mlx import generate
-from dflash.target import make_cache, target_parts
+from dflash.target import forward, make_cache, target_parts
 from dflash.verify_policy import MAX_BACKOFF, MIN_DRAFT_ROWS, VerifyPolicy
 
 N = 160
@@ -186,13 +186,39 @@ def test_drafter_context_caught_up_after_a_stretch_proposes_the_same(kind, pairs
         eager.history += step.tokens
         eager.sync_drafter(draft)  # fed at once, every step
     assert out.tokens == eager.history[len(lazy.history):] == ref[1:13]
-    assert lazy.pending_taps.shape[1] == 12 and lazy.fed == eager.fed
+    assert lazy.pending_rows == 12 and lazy.fed == eager.fed
     lazy.sync_drafter(draft)
     anchor = out.tokens[-1]
     a = np.array(draft.block_scores(parts, anchor, 8, lazy.dcache)[0])
     b = np.array(draft.block_scores(parts, anchor, 8, eager.dcache)[0])
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stretch_keeps_one_piece_of_taps_per_step_joined_in_order(kind, pairs):
+    """A stretch's taps, kept one piece per step and joined once when the drafter next drafts,
+    are the taps one target pass over the same tokens gives (each row its token's, in order)."""
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    parts = target_parts(model)
+    request = sp.build_request(parts, draft, tokenizer, prompt, max_tokens=N, policy="fixed")
+    state = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(prompt),
+                           fed=list(prompt), policy=VerifyPolicy("fixed", request.block_size))
+    state.history.append(sp.first_token(request, state, sp._prefill(parts, draft, request,
+                                                                     state, 0)))
+    n = 40
+    out = sp._plain_steps(parts, draft, request, state, n)
+    assert out.tokens == ref[1:n + 1]
+    assert len(state.pending) == n and state.pending_rows == n
+    taps = state.take_taps()
+    assert state.pending == [] and state.take_taps() is None
+    # The same tokens in one pass from the prompt: the fed tokens after it, row for row.
+    once = make_cache(parts)
+    forward(parts, mx.array(prompt)[None], once, draft.target_layer_ids)
+    _, expected = forward(parts, mx.array(state.fed[len(prompt):])[None], once,
+                          draft.target_layer_ids)
+    assert taps.shape == expected.shape == (1, n, expected.shape[-1])
+    np.testing.assert_allclose(np.array(taps), np.array(expected), rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
