@@ -11,8 +11,9 @@ generation with a (target, drafter, dtype, device, MLX version) measures:
   ones, for a few row counts and two context lengths (linear interpolation between them);
 * ``step_ms[context]``: one plain one-token step as greedy decoding takes it, each pass queued on
   the previous pass's still-lazy token (mlx-lm's own pipelining). The host builds the next pass's
-  graph while the device runs this one, so a pipelined step costs less than a lone one-row pass:
-  the policy weighs speculation against the plain steps it would really take;
+  graph (~3 ms here) while the device runs this one, so where a pass takes a few ms (GPUs) a
+  pipelined step costs clearly less than a lone one-row pass; on this CPU (~60 ms a pass) the two
+  measure equal. The policy weighs speculation against the plain steps it would really take;
 * ``draft_ms[rows]``: one drafter block pass of ``rows`` rows.
 
 It takes a few seconds (with a progress line): each shape's fastest of three round-robin timings,
@@ -263,7 +264,9 @@ def _read(path: Path, key: str) -> CostModel | None:
     try:
         data = json.loads(path.read_text())
         model = CostModel(**data)
-        if model.format != FORMAT or model.key != key or len(model.verify_ms) != len(model.contexts):
+        if model.format != FORMAT:
+            raise ValueError(f"format {model.format!r}, this dflash writes {FORMAT!r}")
+        if model.key != key or len(model.verify_ms) != len(model.contexts):
             raise ValueError("not a cost model for this pair")
     except (ValueError, TypeError, OSError) as e:
         _say_once(str(path), f"calibration {path} is unreadable ({e}); measuring again")
