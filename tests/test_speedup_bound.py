@@ -1,0 +1,52 @@
+"""scripts/speedup_bound.py: the chain, oracle and batched bounds from acceptance by position."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "speedup_bound.py"
+spec = importlib.util.spec_from_file_location("speedup_bound", SCRIPT)
+bound = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bound)
+
+CURVE = {1: 1.0, 2: 1.2, 3: 1.35, 4: 1.5}  # the issue's measured CPU curve, one sequence
+
+
+def cost(rows: int) -> float:
+    return CURVE.get(rows, 1.7 if rows <= 16 else 2.7)
+
+
+def test_acceptance_is_cycle_weighted():
+    prompts = [{"dflash": {"acceptance_by_position": [1.0, 0.5], "cycles": 10}},
+               {"dflash": {"acceptance_by_position": [0.0, 0.0], "cycles": 30}}]
+    assert bound.acceptance(prompts) == pytest.approx([0.25, 0.125])
+
+
+def test_a_drafter_that_never_agrees_is_bounded_by_plain_decoding():
+    a = np.zeros(15)
+    assert bound.chain_bound(a, cost) == (1, 1.0)
+    assert bound.oracle_bound(a, cost) == pytest.approx(1.0)
+    assert bound.batch_bound(a, cost, cost, cost, 4) == (1, 1.0)
+
+
+def test_chain_and_oracle_by_hand():
+    a = np.array([0.5, 0.25] + [0.0] * 13)
+    # chains: 2 rows 1.5/1.2 = 1.25, 3 rows 1.75/1.35 = 1.296, 4 rows 1.75/1.5
+    rows, ratio = bound.chain_bound(a, cost)
+    assert rows == 3 and ratio == pytest.approx(1.75 / 1.35)
+    # oracle: L = 0, 1, 2 with 0.5, 0.25, 0.25 -> E[L+1] 1.75 over E[cost] 0.5 + 0.3 + 0.3375
+    assert bound.oracle_bound(a, cost) == pytest.approx(1.75 / (0.5 + 0.25 * 1.2 + 0.25 * 1.35))
+    assert bound.oracle_bound(a, cost) > ratio  # knowing the outcome never loses
+
+
+def test_batches_pay_for_every_sequence_s_rows():
+    a = np.array([0.5, 0.25] + [0.0] * 13)
+    free = lambda rows: 0.0  # noqa: E731
+    rows, ratio = bound.batch_bound(a, cost, cost, free, 4)
+    # 4 x 3 rows = 12 rows (1.7) for 1.75 tokens each against 4 rows (1.5) for 1 each
+    assert rows == 3 and ratio == pytest.approx(1.75 * 1.5 / 1.7)
+    assert bound.batch_bound(a, cost, cost, free, 16)[0] == 1  # plain batching wins
