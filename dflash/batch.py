@@ -493,9 +493,7 @@ class BatchGenerator:
             # Every row's top log-probability and token in one host read (not one per
             # sequence); greedy proposals are those tokens.
             batch_rows, block_rows, n_vocab = scores.shape
-            top_lp, top_ids = draft_candidates(scores.reshape(-1, n_vocab), None, 1)
-            if columns is not None:
-                top_ids = np.asarray(columns)[top_ids]
+            top_lp, top_ids = draft_candidates(scores.reshape(-1, n_vocab), columns, 1)
             log_conf = list(top_lp[:, 0].reshape(batch_rows, block_rows))
             top_ids = top_ids[:, 0].reshape(batch_rows, block_rows)
             for s, lc in zip(rows, log_conf):

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
 from .cost_model import cost_model
 from .drafter import full_logits
@@ -384,9 +383,7 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
         # verify pass is queued without a second round trip to the device.
         argmax = sampler.proposes_argmax and not draft.config.is_dflash2
         if policy.name != "fixed" or argmax:
-            log_probs, ids = draft_candidates(scores, None, policy.candidates)
-            if columns is not None:
-                ids = np.asarray(columns)[ids]
+            log_probs, ids = draft_candidates(scores, columns, policy.candidates)
         if policy.name == "fixed":
             plan = Plan(bs - 1)
         else:  # the cut reads the drafter's distributions, never the tokens drawn from them

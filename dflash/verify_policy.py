@@ -94,22 +94,23 @@ def check_trees_possible(policy: str, trees: bool) -> None:
             "a tree; it verifies chains (policy 'auto', 'fixed' or 'confidence')")
 
 
-def draft_candidates(draft_logits: mx.array, columns: mx.array | None,
+def draft_candidates(scores: mx.array, ids: mx.array | None,
                      k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each block row's ``k`` best ``(log-probabilities, token ids)``, best first (``columns``:
-    the draft vocabulary, when the other logits are -inf)."""
+    """Each block row's ``k`` best ``(log-probabilities, token ids)``, best first, read on the host
+    at once. ``scores`` ``(L, n)``: the drafter's logits over its vocabulary; ``ids``: the token id
+    of each column (a cut draft vocabulary, :meth:`head_scores`), ``None`` when the column is the
+    token id."""
     import mlx.core as mx
 
-    scored = draft_logits if columns is None else draft_logits[:, columns]
-    k = min(k, scored.shape[-1])
-    scored = scored.astype(mx.float32)
+    k = min(k, scores.shape[-1])
+    scored = scores.astype(mx.float32)
     idx = mx.argpartition(-scored, kth=k - 1, axis=-1)[:, :k] if k > 1 else \
         mx.argmax(scored, axis=-1, keepdims=True)
     lp = mx.take_along_axis(scored, idx, axis=-1) - mx.logsumexp(scored, axis=-1, keepdims=True)
-    ids = idx if columns is None else columns[idx]
-    lp, ids = np.array(lp), np.array(ids)
+    tokens = idx if ids is None else ids[idx]
+    lp, tokens = np.array(lp), np.array(tokens)
     order = np.argsort(-lp, axis=1, kind="stable")
-    return np.take_along_axis(lp, order, axis=1), np.take_along_axis(ids, order, axis=1)
+    return np.take_along_axis(lp, order, axis=1), np.take_along_axis(tokens, order, axis=1)
 
 
 def confident_rows(log_conf, threshold: float) -> int:

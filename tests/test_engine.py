@@ -81,9 +81,9 @@ def test_confident_rows_rule():
     logits = mx.log(probs) + 3.0  # any shift: softmax is what counts
     for threshold, rows in ((0.95, 1), (0.5, 1), (0.42, 2), (0.4, 3), (0.01, 4)):
         assert _confident_rows(logits, None, threshold) == rows  # at least one
-        # A restricted vocabulary: -inf outside its columns, the same answer read from them.
-        padded = mx.concatenate([mx.full((4, 3), -mx.inf), logits], axis=1)
-        assert _confident_rows(padded, mx.array([3, 4]), threshold) == rows
+        # A cut vocabulary: the same scores over token ids 3 and 4, the same answer.
+        assert _confident_rows(logits, mx.array([3, 4]), threshold) == rows
+    assert draft_candidates(logits, mx.array([3, 4]), 1)[1][:, 0].tolist() == [3, 3, 4, 3]
 
 
 PLANTS = {
