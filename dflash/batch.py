@@ -224,7 +224,8 @@ class BatchGenerator:
                                 block_size=self.block_size, policy=self.policy,
                                 prefill_step_size=self.prefill_chunk, **settings)
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
-        state = None if self.fallback else new_state(self.parts, request, None, None, self.cost)
+        state = None if self.fallback else \
+            new_state(self.parts, self.draft, request, None, None, self.cost)
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),

@@ -37,6 +37,7 @@ from .verify_policy import (
     check_tree_budget,
     check_trees_possible,
     draft_candidates,
+    pair_memory,
 )
 
 
@@ -302,7 +303,7 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
     cost = cost_model(parts, draft) if request.policy in ("auto", "tree") else None
-    state = new_state(parts, request, cache, dcache, cost)
+    state = new_state(parts, draft, request, cache, dcache, cost)
     try:
         yield from _decode(parts, draft, tokenizer, request, state, reused, prompt_cache)
     except BaseException:
@@ -311,18 +312,22 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         raise
 
 
-def new_state(parts, request: DecodeRequest, cache: list | None, dcache: list | None,
+def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: list | None,
               cost) -> DecodeState:
     """A sequence's state before its first token, with its own verify policy (shared by the
     single-sequence and batched engines: a batched sequence that runs alone decodes with this
-    engine's cycle, on the same state). ``cache is None``: its caches come later."""
+    engine's cycle, on the same state), started from what the pair's earlier generations
+    taught it. ``cache is None``: its caches come later."""
     trees = tree_supported(parts, make_cache(parts) if cache is None else cache)
+    memory = pair_memory(parts.model, draft, request.block_size - 1) if cost is not None \
+        else None
     return DecodeState(cache, dcache, history=list(request.prompt_ids),
                        fed=list(request.prompt_ids),
                        policy=VerifyPolicy(request.policy, request.block_size, cost,
                                            request.min_confidence, trees=trees,
                                            tree_budget=request.tree_budget,
-                                           pipelined=request.sampler.pipelines_plain_steps),
+                                           pipelined=request.sampler.pipelines_plain_steps,
+                                           memory=memory),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1))
 

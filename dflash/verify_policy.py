@@ -31,12 +31,21 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   lost ~4 % to mlx-lm in its probes, not in the plain steps: a 16-row draft and a 2-row verify
   for one token each (docs/bench/heldout-auto-v2.md, section 4).
 
+* **What earlier generations taught.** A loaded pair keeps its calibration between generations
+  (:class:`PairMemory`, in process, at most ``MEMORY_CAP`` observations per cell so new text still
+  moves it): a generation starts from what the pair's earlier ones measured, and one that starts
+  behind a losing streak probes with ``MIN_DRAFT_ROWS`` rows and does not verify what is expected
+  to lose. Without it every generation relearned its drafter: a never-agreeing drafter verified
+  its first two cycles and probed six times in each 96-token generation.
+
 Exactness: the cut depends only on the drafter's distributions and on past cycles, never on the
 tokens drawn in this cycle, so greedy output is the target's and rejection sampling stays exact.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -62,6 +71,12 @@ VERIFIED_LOSSES = 2  # losing cycles verified before a probe expected to lose ve
 # Speculation must beat a plain step by this factor: the cost model times the passes, not the
 # host work around them (candidates, planning, bookkeeping), and its estimates are noisy.
 MARGIN = 1.1
+# Most observations per (row, confidence bin) a pair remembers across generations: enough to
+# start a generation calibrated, few enough that ~a generation's cycles re-steer it.
+MEMORY_CAP = 32.0
+# Longest losing streak a generation inherits: its first plain stretches stay short (2**3 steps
+# after the first probe), so a prompt on which the drafter does well soon finds out.
+INHERITED_LOSSES = 3
 TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_TREE_BUDGET = 16
 
@@ -155,6 +170,17 @@ class AcceptanceModel:
             self.tried[i, b[i]] += 1
             self.accepted[i, b[i]] += i < accepted
 
+    def cap(self, most: float) -> None:
+        """Scale every cell down to at most ``most`` observations (older ones weigh less)."""
+        scale = np.minimum(1.0, most / np.maximum(self.tried, 1e-9))
+        self.accepted *= scale
+        self.tried *= scale
+
+    def copy_into(self, other: AcceptanceModel) -> None:
+        """``other``'s counts become these (the rows both have)."""
+        n = min(self.rows, other.rows)
+        other.accepted[:n], other.tried[:n] = self.accepted[:n], self.tried[:n]
+
 
 def expected_tokens(p: np.ndarray) -> np.ndarray:
     """``E[k]`` for ``k = 0..len(p)``: committed tokens when the first ``k`` rows are verified."""
@@ -175,6 +201,13 @@ class NodeCalibration:
 
     def factor(self, kind: str) -> float:
         return self.hits[kind] / self.mass[kind]
+
+    def cap(self, most: float) -> None:
+        """At most ``most`` units of predicted mass per kind (older nodes weigh less)."""
+        for kind, mass in self.mass.items():
+            if mass > most:
+                self.hits[kind] *= most / mass
+                self.mass[kind] = most
 
     def update(self, tree: DraftTree, path: list[int]) -> None:
         """Nodes whose parent was accepted were tested; each was accepted iff it is on ``path``."""
@@ -200,6 +233,74 @@ def tree_node_probs(tree: DraftTree, spine: np.ndarray, calibration: NodeCalibra
             step = min(1.0, q * calibration.factor(kinds[i]))
         p[i] = p[tree.parents[i]] * step
     return p[1:]
+
+
+class PairMemory:
+    """What one loaded (target, drafter) pair's generations taught the ``auto`` policy, for the
+    next ones in this process: the acceptance calibration, the off-spine node calibration, the
+    verified depths, and whether the last cycles were losing. Each generation starts from a copy
+    and adds its cycles as they happen (under a lock: generations in other threads see them
+    from their next start, never mid-generation). Exactness never depends on it: it only steers
+    how much is drafted and verified."""
+
+    def __init__(self, rows: int):
+        self._lock = threading.Lock()
+        self.acceptance = AcceptanceModel(rows)
+        self.nodes = NodeCalibration()
+        self.depths: deque[int] = deque(maxlen=8)
+        self.losses = 0
+        self.generations = 0
+
+    def seed(self, policy: VerifyPolicy) -> None:
+        """Start ``policy`` from what earlier generations measured."""
+        with self._lock:
+            self.generations += 1
+            self.acceptance.copy_into(policy.acceptance)
+            policy.nodes.hits, policy.nodes.mass = dict(self.nodes.hits), dict(self.nodes.mass)
+            policy.depths.extend(self.depths)
+            policy.losses = min(self.losses, INHERITED_LOSSES)
+
+    def observe(self, conf: np.ndarray | None, verified: int, accepted: int,
+                tree: DraftTree | None, path: list[int] | None, depth: int) -> None:
+        """One verified cycle of some generation."""
+        with self._lock:
+            if conf is not None and len(conf):
+                if len(conf) > self.acceptance.rows:  # a longer block than before
+                    grown = AcceptanceModel(len(conf))
+                    self.acceptance.copy_into(grown)
+                    self.acceptance = grown
+                self.acceptance.update(conf, verified, accepted)
+                self.acceptance.cap(MEMORY_CAP)
+            if tree is not None:
+                self.nodes.update(tree, path)
+                self.nodes.cap(MEMORY_CAP)
+            self.depths.append(depth)
+
+    def streak(self, losses: int) -> None:
+        """The losing streak a generation is in now (0: speculation pays)."""
+        with self._lock:
+            self.losses = losses
+
+
+_memories: dict[tuple[int, int], PairMemory] = {}
+_memories_lock = threading.Lock()
+
+
+def pair_memory(target, draft, rows: int) -> PairMemory:
+    """The memory of this loaded target model and drafter (forgotten with the drafter)."""
+    key = (id(target), id(draft))
+    with _memories_lock:
+        memory = _memories.get(key)
+        if memory is None:
+            memory = _memories[key] = PairMemory(rows)
+            weakref.finalize(draft, _memories.pop, key, None)
+        return memory
+
+
+def forget_pairs() -> None:
+    """Every pair's memory goes: the next generations start from the drafter's raw confidence."""
+    with _memories_lock:
+        _memories.clear()
 
 
 @dataclass
@@ -235,7 +336,8 @@ class VerifyPolicy:
 
     def __init__(self, name: str, block_size: int, cost: CostModel | None = None,
                  min_confidence: float = 0.0, trees: bool = False,
-                 tree_budget: int | None = None, pipelined: bool = False):
+                 tree_budget: int | None = None, pipelined: bool = False,
+                 memory: PairMemory | None = None):
         check_policy(name)
         if name in ("auto", "tree") and cost is None:
             raise GenerationConfigError(f"policy={name!r} needs a cost model")
@@ -257,6 +359,9 @@ class VerifyPolicy:
         self.losses = 0  # consecutive losing probes
         self.agreed = False  # a verified cycle of this losing streak accepted a proposal
         self.stats = PolicyStats()
+        self.memory = memory if name == "auto" else None
+        if self.memory is not None:
+            self.memory.seed(self)
 
     @property
     def candidates(self) -> int:
@@ -356,9 +461,12 @@ class VerifyPolicy:
             spine, spine_accepted = plan.rows, accepted
             self.depths.append(plan.rows)
         self.stats.rows_verified += verified + 1
+        conf = None
         if log_conf is not None and len(log_conf):
-            self.acceptance.update(np.exp(np.asarray(log_conf, dtype=np.float64)), spine,
-                                   spine_accepted)
+            conf = np.exp(np.asarray(log_conf, dtype=np.float64))
+            self.acceptance.update(conf, spine, spine_accepted)
+        if self.memory is not None:
+            self.memory.observe(conf, spine, spine_accepted, plan.tree, path, self.depths[-1])
         if self.name != "auto" or self.expected is None:
             return
         # Half the calibrated expectation, half what this cycle really committed: the calibration
@@ -373,6 +481,8 @@ class VerifyPolicy:
             self._lost()
         else:
             self.losses, self.agreed = 0, False
+            if self.memory is not None:
+                self.memory.streak(0)
 
     def _plain_ms(self) -> float:
         """What the plain step that speculation competes with costs: pipelined under greedy
@@ -384,6 +494,8 @@ class VerifyPolicy:
         self.losses += 1
         self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
         self.rate = None  # the probe after the plain stretch decides afresh
+        if self.memory is not None:
+            self.memory.streak(self.losses)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
 
+from dflash.verify_policy import forget_pairs  # noqa: E402
+
 KINDS = ("qwen3", "qwen3_5", "qwen3_5_wrapped", "llama")
+
+
+@pytest.fixture(autouse=True)
+def fresh_pair_memory():
+    """Each test starts with no pair remembering earlier generations (a test's own generations
+    still teach the next ones, as in any process)."""
+    forget_pairs()
 
 
 @pytest.fixture(scope="session")

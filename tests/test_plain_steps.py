@@ -166,6 +166,22 @@ def test_speculation_after_plain_stretches_stays_exact(kind, pairs, machine):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_never_agreeing_drafter_is_not_verified_in_the_next_generation(kind, pairs, machine):
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    machine(model, draft, ROWS_COST)
+    wrong = never_right(draft, prompt, ref)  # one loaded drafter, used twice
+    n = 40
+    first = generate(model, wrong, tokenizer, prompt, max_tokens=n)
+    second = generate(model, wrong, tokenizer, prompt, max_tokens=n)
+    assert first.tokens == second.tokens == ref[:n]
+    assert first.stats.verified_tokens > 0  # its first two cycles were verified
+    assert second.stats.verified_tokens == 0  # the pair remembered: no verified loss
+    assert second.stats.cycles < first.stats.cycles  # and fewer probes
+    other = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=n)
+    assert other.stats.verified_tokens == first.stats.verified_tokens  # another drafter: fresh
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_drafter_context_caught_up_after_a_stretch_proposes_the_same(kind, pairs):
     """The taps of a plain stretch reach the drafter in one pass when it drafts next; its block
     scores equal those of a context fed one token at a time."""
