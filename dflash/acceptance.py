@@ -11,6 +11,10 @@ import time
 
 import numpy as np
 
+# Imported with this module, not when τ is first measured: a long training run evaluates hours
+# after it started, and a decode module edited meanwhile must not meet the in-memory others.
+from .speculative import generate
+
 
 def measure_tau(model, tokenizer, draft, prompts: list[list[int]], block_size: int | None = None,
                 max_tokens: int = 128) -> dict:
@@ -19,8 +23,6 @@ def measure_tau(model, tokenizer, draft, prompts: list[list[int]], block_size: i
     Returns ``tau``, ``cycles``, ``tokens`` (generated), ``tok_s``, ``acceptance_by_position``,
     ``draft_time``, ``verify_time``, ``draft_ms_per_cycle`` and the generated ``outputs``.
     """
-    from .speculative import generate
-
     emitted = cycles = n_gen = 0
     accepted = None
     draft_time = verify_time = 0.0
