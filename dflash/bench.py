@@ -115,7 +115,8 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
                 seed: int, min_confidence: float | None = None,
-                policy: str | None = None, tree_budget: int | None = None) -> dict:
+                policy: str | None = None, tree_budget: int | None = None,
+                lookup: bool = True) -> dict:
     from .speculative import stream_generate
 
     tokens: list[int] = []
@@ -124,7 +125,7 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
     for r in stream_generate(pair.model, pair.draft, pair.tokenizer, list(ids),
                              block_size=block_size, max_tokens=max_tokens, seed=seed,
                              min_confidence=min_confidence, policy=policy,
-                             tree_budget=tree_budget, **sampling):
+                             tree_budget=tree_budget, lookup=lookup, **sampling):
         if first is None:
             first = time.perf_counter()
         tokens.extend(r.tokens)
@@ -210,6 +211,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
                     "verified": sum(r["verified_tokens"] for r in runs),
                     "plain": sum(r["plain_steps"] for r in runs),
                     "trees": sum(r["tree_cycles"] for r in runs),
+                    "lookups": sum(r.get("lookup_cycles", 0) for r in runs),
                     "rows": sum(r["rows_per_pass"] * (r["cycles"] + r["plain_steps"])
                                 for r in runs)},
     }
@@ -233,6 +235,8 @@ def _overall(prompts: list[dict]) -> dict:
         "verified_per_cycle": t["verified"] / t["cycles"] if t["cycles"] else 0.0,
         "plain_share": t["plain"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
         "tree_share": t["trees"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
+        "lookup_share": (t["lookups"] / (t["cycles"] + t["plain"])
+                         if t["cycles"] + t["plain"] else 0.0),
         "rows_per_pass": t["rows"] / (t["cycles"] + t["plain"]) if t["cycles"] + t["plain"] else 0.0,
         "baseline_tokens_per_s": b_tps,
         "dflash_tokens_per_s": d_tps,
@@ -262,7 +266,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
               template_kwargs: dict | None = None, limit: int | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
               pair=None, min_confidence: float | None = None,
-              policy: str | None = None, tree_budget: int | None = None) -> dict:
+              policy: str | None = None, tree_budget: int | None = None,
+              lookup: bool = True) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
@@ -303,7 +308,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
         _run_baseline(pair, encoded[0], n, sampling, seed)
         for bs in sizes:
             _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy,
-                        tree_budget)
+                        tree_budget, lookup)
 
     base_runs: list[list[dict]] = [[] for _ in items]
     runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
@@ -323,7 +328,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
                     what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
                     r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence,
-                                    policy, tree_budget)
+                                    policy, tree_budget, lookup)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
@@ -348,7 +353,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
-            "tree_budget": tree_budget,
+            "tree_budget": tree_budget, "lookup": lookup,
             "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
@@ -398,8 +403,10 @@ def _same(x) -> str:
 def _policy_text(cfg: dict) -> str:
     policy = cfg.get("policy", "confidence")
     if policy == "auto":
+        lookup = ("; the context's own continuation verified where it pays"
+                  if cfg.get("lookup", True) else "; drafter proposals only (--no-lookup)")
         return ("auto (rows chosen per cycle from this machine's measured cost model; plain "
-                "steps while speculation loses)")
+                f"steps while speculation loses{lookup})")
     if policy == "fixed":
         return "fixed (the whole block)"
     return (f"confidence (drafted tokens checked while the drafter's running confidence is at "
@@ -457,7 +464,9 @@ def markdown(result: dict) -> str:
                       f"{o.get('verified_per_cycle', 0.0):.1f} drafted tokens verified per cycle; "
                       f"{o.get('rows_per_pass', 0.0):.1f} target rows per pass; "
                       f"{100 * o.get('plain_share', 0.0):.0f}% plain steps (no drafting), "
-                      f"{100 * o.get('tree_share', 0.0):.0f}% draft trees.",
+                      f"{100 * o.get('tree_share', 0.0):.0f}% draft trees, "
+                      f"{100 * o.get('lookup_share', 0.0):.0f}% context continuations (no "
+                      "drafting).",
                   "", f"Acceptance by block position: {acc}", ""]
     return "\n".join(lines) + "\n"
 
@@ -472,7 +481,8 @@ def format_summary(result: dict) -> str:
                    f"{_f(o['dflash_tokens_per_s'], 1)} tok/s, speed-up {_f(o['speedup'], 2, '×')}"
                    f", {o.get('rows_per_pass', 0.0):.1f} rows/pass, "
                    f"{100 * o.get('plain_share', 0.0):.0f}% plain steps, "
-                   f"{100 * o.get('tree_share', 0.0):.0f}% trees"
+                   f"{100 * o.get('tree_share', 0.0):.0f}% trees, "
+                   f"{100 * o.get('lookup_share', 0.0):.0f}% lookups"
                    f", identical at T=0: {_same(o['identical']).strip('*')}")
     return "\n".join(out)
 

@@ -132,6 +132,9 @@ def add_policy_args(g) -> None:
     g.add_argument("--tree-budget", type=int, default=None,
                    help="nodes of the draft tree with --policy tree (default 16); with auto, the "
                         "largest tree considered")
+    g.add_argument("--no-lookup", action="store_true",
+                   help="with auto: verify only the drafter's proposals, never the context's own "
+                        "continuation (prompt lookup); for measuring the drafter alone")
     g.add_argument("--min-confidence", type=float, default=None,
                    help="with the confidence policy (implied when given): verify drafted tokens "
                         "only while the drafter's running confidence stays at or above this")
@@ -141,7 +144,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         block_size=args.block_size, max_tokens=args.max_tokens, temperature=args.temperature,
         min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        lookup=not args.no_lookup, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         repetition_context_size=args.repetition_context_size,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -434,7 +437,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
         template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log,
-        min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget)
+        min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget,
+        lookup=not args.no_lookup)
     print(format_summary(result), flush=True)
     return 0
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 from .cost_model import cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
+from .lookup import ContextLookup
 from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
@@ -64,6 +65,7 @@ class DFlashResponse:
     reused_prompt_tokens: int = 0
     plain_steps: int = 0  # target steps without drafting (the policy's choice)
     tree_cycles: int = 0  # cycles that verified a draft tree
+    lookup_cycles: int = 0  # cycles that verified the context's own continuation (no drafting)
     rows_per_pass: float = 0.0  # target rows per pass, anchor included
     acceptance_by_position: list[float] = field(default_factory=list)
 
@@ -140,7 +142,10 @@ def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.ar
     hybrid targets verify chains); ``"tree"`` verifies a best-first tree of ``tree_budget`` nodes
     (default 16) every cycle; ``"fixed"`` verifies the whole block; ``"confidence"`` verifies up to
     the first block row where the product of the drafter's top probabilities falls below
-    ``min_confidence`` (giving ``min_confidence`` alone selects it). Outputs never depend on the policy.
+    ``min_confidence`` (giving ``min_confidence`` alone selects it). Under ``"auto"`` a cycle may
+    verify the context's own continuation instead of a drafted block (:mod:`dflash.lookup`: no
+    drafter pass); ``lookup=False`` verifies only the drafter's proposals. Outputs never depend
+    on the policy.
     """
     parts = target_parts(model)
     request = build_request(parts, draft, tokenizer, prompt, *args, **settings)
@@ -177,6 +182,7 @@ def build_request(
     min_confidence: float | None = None,
     policy: str | None = None,
     tree_budget: int | None = None,
+    lookup: bool = True,
 ) -> DecodeRequest:
     """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
     field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
@@ -220,7 +226,8 @@ def build_request(
         prompt_ids=prompt_ids, block_size=block_size, max_tokens=max_tokens,
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
-        min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget)
+        min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
+        lookup=bool(lookup))
 
 
 def _signature() -> inspect.Signature:
@@ -252,6 +259,7 @@ class DecodeRequest:
     min_confidence: float = 0.0
     policy: str = "auto"
     tree_budget: int | None = None
+    lookup: bool = True  # auto also verifies the context's own continuation (dflash.lookup)
 
 
 @dataclass
@@ -270,6 +278,7 @@ class DecodeState:
     accepted_at: list[int] = field(default_factory=list)
     proposed_at: list[int] = field(default_factory=list)
     cycle_tokens: int = 0  # tokens emitted by speculative cycles (mean_tau's numerator)
+    lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
 
     def sync_drafter(self, draft) -> None:
         """Give the drafter the features of the last committed tokens."""
@@ -327,7 +336,7 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                                            request.min_confidence, trees=trees,
                                            tree_budget=request.tree_budget,
                                            pipelined=request.sampler.pipelines_plain_steps,
-                                           memory=memory),
+                                           memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1))
 
@@ -363,6 +372,7 @@ class StepResult(NamedTuple):
     drafted_at: float  # perf_counter when drafting ended (the draft/verify time split)
     plain: bool  # the policy skipped drafting: a plain one-token target step
     depths: int | None = None  # a tree's depth (a chain's is ``verified``)
+    lookup: bool = False  # the proposals were the context's continuation, not the drafter's
 
 
 def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
@@ -373,9 +383,17 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     anchor = state.history[-1]
     most = min(remaining, max_stretch)
     stretch = policy.plain_stretch(len(state.fed), most) if bs > 1 else 0
+    proposals, q, plan, log_conf = [], None, None, None
+    # The context's own continuation, when it beats a plain step (and the drafter's recent
+    # blocks): a chain verified without a drafter pass.
+    if bs > 1 and policy.lookup:
+        plan = policy.lookup_plan(*state.lookup.continuation(state.history, bs - 1),
+                                  drafting=not stretch)
+        if plan is not None:
+            policy.give_back(stretch)
+            stretch, proposals, bs = 0, plan.lookup, 0
     if stretch:
         return _plain_steps(parts, draft, request, state, stretch)
-    proposals, q, plan, log_conf = [], None, None, None
     # Draft: one pass over [anchor, MASK ...] with the new target features as context.
     if bs > 1:
         state.sync_drafter(draft)
@@ -400,7 +418,9 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
                                     1 + policy.plain_stretch(len(state.fed), most - 1))
         if plan.tree is not None:
             return _verify_tree(parts, draft, request, state, plan, log_conf, bs)
-        if argmax:
+        if plan.lookup is not None:  # the context's continuation won over the drafted block
+            proposals = plan.lookup
+        elif argmax:
             proposals = ids[:plan.rows, 0].tolist()
         else:
             logits = full_logits(scores, columns, parts.vocab_size)
@@ -421,7 +441,8 @@ def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, 
     policy.record(log_conf, plan or Plan(0), a, None, bs)
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending, [c.state for c in state.cache])
-    return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, False)
+    return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, False,
+                      lookup=plan is not None and plan.lookup is not None)
 
 
 def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int) -> StepResult:
@@ -442,7 +463,8 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
 
     fed, (logits, taps) = state.history[-1], step(state.history[-1])
     out: list[int] = []
-    for i in range(n):
+    stretch, i = n, 0
+    while i < n:
         more = i + 1 < n
         processed = sampler.process(logits, state.history + out, None)
         if pipelined:
@@ -457,6 +479,12 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
         state.commit_taps(taps)
         state.policy.record(None, None, 0, None, 0)
         out.append(token)
+        if more and state.policy.lookup and state.policy.lookup_worth(
+                *state.lookup.continuation(state.history + out, request.block_size - 1)):
+            # The context continues itself here: end the stretch and verify that instead (a
+            # pass already queued on this token is taken first, as the stretch's last step).
+            n = i + 2 if pipelined else i + 1
+            more = i + 1 < n
         if token in request.stop_ids or not more:
             if token in request.stop_ids and pipelined and more:
                 state.fed.append(token)  # the queued pass fed it
@@ -465,6 +493,8 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
         if not pipelined:
             next_logits, next_taps = step(token)
         fed, logits, taps = token, next_logits, next_taps
+        i += 1
+    state.policy.give_back(stretch - len(out))
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(out, len(out) - 1, 0, started, True)
 
@@ -588,6 +618,9 @@ def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: 
     stats.verified_tokens += step.verified
     state.cycle_tokens += a + 1
     stats.mean_tau = state.cycle_tokens / stats.cycles
+    stats.lookup_cycles = state.policy.stats.lookup_cycles
+    if step.lookup:  # acceptance by position is the drafter's
+        return
     for j in range(step.verified if step.depths is None else step.depths):
         state.proposed_at[j] += 1
         state.accepted_at[j] += j < a

@@ -26,6 +26,7 @@ def generation_stats(r: DFlashResponse, rounded: bool = True) -> dict:
         "verified_tokens": r.verified_tokens,
         "plain_steps": r.plain_steps,
         "tree_cycles": r.tree_cycles,
+        "lookup_cycles": r.lookup_cycles,
         "rows_per_pass": rnd(r.rows_per_pass, 3),
         "reused_prompt_tokens": r.reused_prompt_tokens,
         "acceptance_by_position": [rnd(a, 4) for a in r.acceptance_by_position],

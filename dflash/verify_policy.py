@@ -31,6 +31,11 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   lost ~4 % to mlx-lm in its probes, not in the plain steps: a 16-row draft and a 2-row verify
   for one token each (docs/bench/heldout-auto-v2.md, section 4).
 
+* **The context's own continuation.** What followed the last earlier occurrence of the latest
+  3- or 2-gram (:mod:`dflash.lookup`) is a chain that costs no drafter pass; its rows'
+  acceptance is calibrated online like the drafter's. Before drafting it is verified instead when
+  it beats a plain step and the drafter's recent plans (in a plain stretch: a plain step); after
+  drafting, when it beats the drafted block.
 * **What earlier generations taught.** A loaded pair keeps its calibration between generations
   (:class:`PairMemory`, in process, at most ``MEMORY_CAP`` observations per cell so new text still
   moves it): a generation starts from what the pair's earlier ones measured, and one that starts
@@ -77,6 +82,15 @@ MEMORY_CAP = 32.0
 # Longest losing streak a generation inherits: its first plain stretches stay short (2**3 steps
 # after the first probe), so a prompt on which the drafter does well soon finds out.
 INHERITED_LOSSES = 3
+# Prior acceptance of a context continuation's rows by the order of the n-gram it matched
+# (:mod:`dflash.lookup`), until the policy has seen some verified: measured on the held-out mix,
+# a 3-gram's first row was accepted ~0.6 of the time, a 2-gram's ~0.4.
+LOOKUP_PRIOR = {3: 0.6, 2: 0.4}
+
+
+def lookup_prior(order: int) -> float:
+    return LOOKUP_PRIOR.get(order, min(LOOKUP_PRIOR.values()))
+
 TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_TREE_BUDGET = 16
 
@@ -246,9 +260,11 @@ class PairMemory:
     def __init__(self, rows: int):
         self._lock = threading.Lock()
         self.acceptance = AcceptanceModel(rows)
+        self.lookup = AcceptanceModel(rows)
         self.nodes = NodeCalibration()
         self.depths: deque[int] = deque(maxlen=8)
         self.losses = 0
+        self.draft_rate: float | None = None
         self.generations = 0
 
     def seed(self, policy: VerifyPolicy) -> None:
@@ -256,9 +272,11 @@ class PairMemory:
         with self._lock:
             self.generations += 1
             self.acceptance.copy_into(policy.acceptance)
+            self.lookup.copy_into(policy.lookup_acceptance)
             policy.nodes.hits, policy.nodes.mass = dict(self.nodes.hits), dict(self.nodes.mass)
             policy.depths.extend(self.depths)
             policy.losses = min(self.losses, INHERITED_LOSSES)
+            policy.draft_rate = self.draft_rate
 
     def observe(self, conf: np.ndarray | None, verified: int, accepted: int,
                 tree: DraftTree | None, path: list[int] | None, depth: int) -> None:
@@ -276,10 +294,18 @@ class PairMemory:
                 self.nodes.cap(MEMORY_CAP)
             self.depths.append(depth)
 
-    def streak(self, losses: int) -> None:
-        """The losing streak a generation is in now (0: speculation pays)."""
+    def observe_lookup(self, conf: np.ndarray, verified: int, accepted: int) -> None:
+        """One verified chain of the context's continuation."""
         with self._lock:
-            self.losses = losses
+            if len(conf) <= self.lookup.rows:
+                self.lookup.update(conf, verified, accepted)
+                self.lookup.cap(MEMORY_CAP)
+
+    def streak(self, losses: int, draft_rate: float | None) -> None:
+        """The losing streak a generation is in now (0: speculation pays) and what its drafted
+        blocks were expected to commit per ms."""
+        with self._lock:
+            self.losses, self.draft_rate = losses, draft_rate
 
 
 _memories: dict[tuple[int, int], PairMemory] = {}
@@ -310,6 +336,9 @@ class Plan:
     rows: int
     tree: DraftTree | None = None
     plain: bool = False  # verify nothing: a plain target step is expected to commit more per ms
+    lookup: list[int] | None = None  # the context's continuation (:mod:`dflash.lookup`) instead
+    order: int = 0  # of the n-gram the continuation matched
+    drafter_value: float | None = None  # a drafted block's best plan when the lookup won over it
 
 
 @dataclass
@@ -320,11 +349,12 @@ class PolicyStats:
     tree_cycles: int = 0
     plain_steps: int = 0
     unverified_probes: int = 0  # drafter passes whose block was not worth verifying
+    lookup_cycles: int = 0  # chains of the context's own continuation
     rows_verified: int = 0  # target rows over all passes (anchor included)
 
     @property
     def rows_per_pass(self) -> float:
-        passes = self.speculative_cycles + self.plain_steps
+        passes = self.speculative_cycles + self.plain_steps + self.lookup_cycles
         return self.rows_verified / passes if passes else 0.0
 
 
@@ -337,7 +367,7 @@ class VerifyPolicy:
     def __init__(self, name: str, block_size: int, cost: CostModel | None = None,
                  min_confidence: float = 0.0, trees: bool = False,
                  tree_budget: int | None = None, pipelined: bool = False,
-                 memory: PairMemory | None = None):
+                 memory: PairMemory | None = None, lookup: bool = True):
         check_policy(name)
         if name in ("auto", "tree") and cost is None:
             raise GenerationConfigError(f"policy={name!r} needs a cost model")
@@ -350,6 +380,11 @@ class VerifyPolicy:
         cap = min(most, tree_budget or most)
         self.budgets = [b for b in TREE_BUDGETS if b <= cap] if trees and name == "auto" else []
         self.acceptance = AcceptanceModel(max(1, block_size - 1))
+        self.lookup = lookup and name == "auto"
+        self.lookup_acceptance = AcceptanceModel(max(1, block_size - 1))
+        self.looked: tuple[list[int], int] | None = None  # this cycle's continuation, if any
+        self.draft_rate: float | None = None  # expected tokens per ms of recent drafted blocks
+        self._chain_cache: tuple[int, np.ndarray] | None = None
         self.nodes = NodeCalibration()
         self.context = 0
         self.rate: float | None = None  # expected committed tokens per ms of recent cycles
@@ -393,6 +428,51 @@ class VerifyPolicy:
         self.backoff -= steps
         return steps
 
+    def lookup_plan(self, tokens: list[int], order: int, drafting: bool) -> Plan | None:
+        """A chain of the context's continuation ``tokens`` (matched on an ``order``-gram),
+        verified without drafting, if it is expected to commit more per ms than a plain step
+        and, when the drafter would draft this cycle (``drafting``), than its recent blocks;
+        ``None``: not now (:meth:`plan` still weighs it against the drafted block)."""
+        self.looked = (tokens, order) if self.lookup and tokens else None
+        if self.looked is None:
+            return None
+        value = self._lookup_values(tokens, order, 0.0)
+        k = int(np.argmax(value)) + 1
+        if value[k - 1] * self._plain_ms() < MARGIN:
+            return None
+        # A drafter in a losing streak would only probe: the continuation goes first.
+        if drafting and not self.losses and (self.draft_rate is None
+                                             or value[k - 1] < self.draft_rate):
+            return None
+        self.expected = float(value[k - 1])
+        return Plan(k, lookup=tokens[:k], order=order)
+
+    def _lookup_values(self, tokens: list[int], order: int, draft_ms: float) -> np.ndarray:
+        """Expected committed tokens per ms of verifying the first ``k`` continuation tokens."""
+        n = min(len(tokens), self.lookup_acceptance.rows)
+        p = self.lookup_acceptance.predict(np.full(n, lookup_prior(order)))
+        return expected_tokens(p)[1:] / (draft_ms + self._chain_ms()[:n])
+
+    def _chain_ms(self) -> np.ndarray:
+        """``verify(k + 1)`` for ``k = 1 .. rows`` at this context (kept per 64 tokens of it:
+        a plain stretch asks every step)."""
+        bucket = self.context // 64
+        if self._chain_cache is None or self._chain_cache[0] != bucket:
+            rows = self.lookup_acceptance.rows
+            self._chain_cache = (bucket, np.array(
+                [self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)]))
+        return self._chain_cache[1]
+
+    def lookup_worth(self, tokens: list[int], order: int) -> bool:
+        """Whether the continuation ``tokens`` beats a plain step (ends a plain stretch)."""
+        return bool(tokens) and \
+            self._lookup_values(tokens, order, 0.0).max() * self._plain_ms() >= MARGIN
+
+    def give_back(self, steps: int) -> None:
+        """Plain steps of the stretch not taken (a continuation was verified instead): taken
+        after it."""
+        self.backoff += max(0, steps)
+
     # -- after drafting -----------------------------------------------------------------------
 
     def plan(self, log_probs: np.ndarray, ids: np.ndarray, anchor: int, draft_rows: int) -> Plan:
@@ -428,6 +508,15 @@ class VerifyPolicy:
         # (one unlucky cycle is no evidence), and once the stretches are MAX_BACKOFF long every
         # probe is verified again, so that the calibration keeps learning and speculation comes
         # back when the text changes.
+        self.draft_rate = self.expected if self.draft_rate is None else \
+            (1 - EMA) * self.draft_rate + EMA * self.expected
+        if self.looked is not None:  # the drafter pass is spent either way
+            value = self._lookup_values(*self.looked, draft_ms)
+            k = int(np.argmax(value)) + 1
+            if value[k - 1] > self.expected and value[k - 1] * self._plain_ms() >= MARGIN:
+                drafter_value, self.expected = self.expected, float(value[k - 1])
+                return Plan(k, lookup=self.looked[0][:k], order=self.looked[1],
+                            drafter_value=drafter_value)
         if (VERIFIED_LOSSES <= self.losses and not self.agreed
                 and 2 ** self.losses < MAX_BACKOFF
                 and self.expected * self._plain_ms() < 1.0):
@@ -448,6 +537,9 @@ class VerifyPolicy:
         if plan.plain:
             self.stats.unverified_probes += 1
             self._lost()
+            return
+        if plan.lookup is not None:
+            self._record_lookup(plan, accepted)
             return
         self.stats.speculative_cycles += 1
         if plan.tree is not None:
@@ -482,7 +574,23 @@ class VerifyPolicy:
         else:
             self.losses, self.agreed = 0, False
             if self.memory is not None:
-                self.memory.streak(0)
+                self.memory.streak(0, self.draft_rate)
+
+    def _record_lookup(self, plan: Plan, accepted: int) -> None:
+        """A verified continuation teaches its own calibration; a drafted block it won over is
+        judged by what it was expected to commit (the drafter's streak goes on or ends)."""
+        self.stats.lookup_cycles += 1
+        self.stats.rows_verified += plan.rows + 1
+        conf = np.full(plan.rows, lookup_prior(plan.order))
+        self.lookup_acceptance.update(conf, plan.rows, accepted)
+        if self.memory is not None:
+            self.memory.observe_lookup(conf, plan.rows, accepted)
+        if plan.drafter_value is None:
+            return
+        if plan.drafter_value * self._plain_ms() < MARGIN:
+            self._lost()
+        else:
+            self.losses, self.agreed = 0, False
 
     def _plain_ms(self) -> float:
         """What the plain step that speculation competes with costs: pipelined under greedy
@@ -495,7 +603,7 @@ class VerifyPolicy:
         self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
         self.rate = None  # the probe after the plain stretch decides afresh
         if self.memory is not None:
-            self.memory.streak(self.losses)
+            self.memory.streak(self.losses, self.draft_rate)
 
 
 # ---------------------------------------------------------------------------------------------

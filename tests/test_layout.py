@@ -17,7 +17,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dflash"
 LAYERS: dict[str, set[str]] = {
     "base": {"errors", "console", "backend", "workers"},
     "model": {"target", "drafter", "checkpoint", "sampling", "prompts", "gguf_import",
-              "default_pair", "tree", "dflash2", "ragged_cache"},
+              "default_pair", "tree", "lookup", "dflash2", "ragged_cache"},
     "engine": {"model_mlx", "pair", "speculative", "batch", "verify_policy", "cost_model",
                "prompt_cache", "acceptance", "stats"},
     "tools": {"serving.*", "training.*", "bench", "convert"},

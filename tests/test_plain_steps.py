@@ -182,6 +182,23 @@ def test_a_never_agreeing_drafter_is_not_verified_in_the_next_generation(kind, p
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_continuations_in_plain_stretches_are_the_target_greedy(kind, pairs, machine):
+    """A drafter that never agrees, on a machine where a verify pass costs about a step: the
+    drafter is stepped aside from, and the text's own continuations (tiny random targets
+    repeat themselves) end plain stretches and are verified."""
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    machine(model, draft, FLAT_COST)
+    out = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=N)
+    assert out.tokens == ref
+    s = out.stats
+    assert s.lookup_cycles > 0 and s.plain_steps > 0
+    assert round(s.mean_tau * s.cycles) > s.cycles  # continuations were accepted
+    off = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=N,
+                   lookup=False)
+    assert off.tokens == ref and off.stats.lookup_cycles == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_drafter_context_caught_up_after_a_stretch_proposes_the_same(kind, pairs):
     """The taps of a plain stretch reach the drafter in one pass when it drafts next; its block
     scores equal those of a context fed one token at a time."""

@@ -547,3 +547,88 @@ def test_broken_tree_walk_fails_the_same_test(name, pair, raw_table, raw_np, mon
                                      monkeypatch)
     print(f"power at this effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
     assert p < ALPHA, f"the test missed {name}: p={p:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chains of the context's own continuation (dflash.lookup) under the auto policy
+
+
+# A machine made for the test: a verify pass of 2+ rows costs half a plain step, so a
+# continuation always pays, however rarely it is right; a drafter pass costs five steps, so
+# the drafter soon loses.
+LOOKUP_VERIFY = [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+LOOKUP_DRAFT = [5.0, 5.0]
+
+
+def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N) -> tuple[np.ndarray, int]:
+    """``n`` generations under ``policy="auto"`` on a machine where verifying is cheap and
+    drafting dear, with a stand-in continuation that always exists (the history's last
+    tokens, reversed: a function of the history, as a real continuation is, and right now
+    and then): drafted chains, continuation chains and plain steps occur.
+    The sequences and the number of continuation chains verified."""
+    from dflash import cost_model as costs
+    from dflash.lookup import ContextLookup
+    from dflash.verify_policy import PairMemory
+
+    model, draft = pair
+    flat = costs.CostModel(key="flat", machine=costs.machine_id(), rows=[1, 2, 4, 8, 16, 32],
+                           contexts=[4, 64], verify_ms=[LOOKUP_VERIFY, LOOKUP_VERIFY],
+                           draft_rows=[2, 4], draft_ms=LOOKUP_DRAFT)
+    monkeypatch.setattr(speculative, "cost_model", lambda *a, **k: flat)
+    monkeypatch.setattr(ContextLookup, "continuation",
+                        lambda self, history, length: (history[::-1][:length], 2))
+    # One memory for all runs (each has its own drafter object): from the second run on, a
+    # generation starts knowing the drafter loses here, and verifies continuations at once.
+    memory = PairMemory(BLOCK - 1)
+    monkeypatch.setattr(speculative, "pair_memory", lambda *a: memory)
+    seqs = np.zeros((n, K), dtype=np.int64)
+    lookups = 0
+    for s in range(n):
+        tokens, last = [], None
+        for r in stream_generate(model, TableDrafter(draft, raw_np), None, PROMPT,
+                                 block_size=BLOCK, max_tokens=K, seed=s, policy="auto",
+                                 **settings):
+            tokens += r.tokens
+            last = r
+        seqs[s] = tokens
+        lookups += last.lookup_cycles
+    return seqs, lookups
+
+
+@pytest.mark.parametrize("case", ("temperature", "penalties"))
+def test_lookup_chains_keep_the_target_distribution(case, pair, raw_table, raw_np, monkeypatch):
+    """A continuation is a proposal without a q: each token is accepted with the target's
+    probability of it and the first rejection draws from the target's row without it."""
+    settings = CASES[case]
+    joint = exact_joint(reference_next(raw_table, settings))
+    seqs, lookups = run_lookup(pair, raw_np, settings, monkeypatch)
+    stat, df, p = chi_square(seqs, joint)
+    print(f"\nlookup/{case}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against chi-square "
+          f"divergence >= {detectable(df):.3f}) continuation chains={lookups} in {N} runs")
+    assert lookups >= N // 2  # the continuation was verified, often
+    assert p >= ALPHA, f"lookup/{case}: chi2={stat:.1f} on {df} df, p={p:.2e}"
+
+
+def test_lookup_chains_accepted_as_if_greedy_fail_the_same_test(pair, raw_table, raw_np,
+                                                                monkeypatch):
+    """Power: half of the continuation's rejections turned into acceptances (a continuation
+    trusted more than the target's probability of it) must be caught."""
+    accept = BlockSampler.accept
+
+    def broken(self, target_logits, proposals, q, history):
+        if q is not None or self.greedy:
+            return accept(self, target_logits, proposals, q, history)
+        a, bonus = accept(self, target_logits, proposals, q, history)
+        if a < len(proposals) and self.rng.random() < 0.5:  # a rejection turned into acceptance
+            return a + 1, accept(self, target_logits[a + 1:], [], None, history)[1]
+        return a, bonus
+
+    settings = CASES["temperature"]
+    cost_model(target_parts(pair[0]), pair[1])
+    monkeypatch.setattr(BlockSampler, "accept", broken)
+    joint = exact_joint(reference_next(raw_table, settings))
+    seqs, lookups = run_lookup(pair, raw_np, settings, monkeypatch)
+    stat, df, p = chi_square(seqs, joint)
+    print(f"\nBROKEN lookup acceptance: chi2={stat:.1f} df={df} p={p:.3g}; power at this "
+          f"effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
+    assert p < ALPHA, f"the test missed a broken continuation acceptance: p={p:.3g}"
