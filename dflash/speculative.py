@@ -328,8 +328,11 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
     engine's cycle, on the same state), started from what the pair's earlier generations
     taught it. ``cache is None``: its caches come later."""
     trees = tree_supported(parts, make_cache(parts) if cache is None else cache)
-    memory = pair_memory(parts.model, draft, request.block_size - 1) if cost is not None \
-        else None
+    # A seeded sampled generation reproduces only if its verify shapes do (they decide how the
+    # random stream is consumed): it starts from the raw confidence, as it always did.
+    seeded = not request.sampler.greedy and request.sampler.cfg.seed is not None
+    memory = pair_memory(parts.model, draft, request.block_size - 1) \
+        if cost is not None and not seeded else None
     return DecodeState(cache, dcache, history=list(request.prompt_ids),
                        fed=list(request.prompt_ids),
                        policy=VerifyPolicy(request.policy, request.block_size, cost,
