@@ -449,9 +449,8 @@ class VerifyPolicy:
 
     def _lookup_values(self, tokens: list[int], order: int, draft_ms: float) -> np.ndarray:
         """Expected committed tokens per ms of verifying the first ``k`` continuation tokens."""
-        n = min(len(tokens), self.lookup_acceptance.rows)
-        p = self.lookup_acceptance.predict(np.full(n, lookup_prior(order)))
-        return expected_tokens(p)[1:] / (draft_ms + self._chain_ms()[:n])
+        p = self.lookup_expectation(tokens, order)
+        return expected_tokens(p)[1:] / (draft_ms + self._chain_ms()[:len(p)])
 
     def _chain_ms(self) -> np.ndarray:
         """``verify(k + 1)`` for ``k = 1 .. rows`` at this context (kept per 64 tokens of it:
@@ -462,6 +461,14 @@ class VerifyPolicy:
             self._chain_cache = (bucket, np.array(
                 [self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)]))
         return self._chain_cache[1]
+
+    def lookup_expectation(self, tokens: list[int], order: int) -> np.ndarray | None:
+        """Calibrated acceptance of each row of the continuation ``tokens`` (``None``: no
+        continuation, or this policy does not look up): what a batched pass weighs."""
+        if not (self.lookup and tokens):
+            return None
+        n = min(len(tokens), self.lookup_acceptance.rows)
+        return self.lookup_acceptance.predict(np.full(n, lookup_prior(order)))
 
     def lookup_worth(self, tokens: list[int], order: int) -> bool:
         """Whether the continuation ``tokens`` beats a plain step (ends a plain stretch)."""
