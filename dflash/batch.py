@@ -37,6 +37,10 @@ Design:
   grows, ``verify(B * n)`` grows and plain steps win by themselves. When speculation loses, plain
   steps run for a stretch that doubles while it keeps losing, then one cycle probes again.
   ``policy="fixed"`` verifies the whole block. Chains only: trees are for a lone sequence.
+* **Continuations.** Under ``auto`` a row may verify its own context's continuation
+  (:mod:`dflash.lookup`) instead of its drafted block, where that is expected to commit more;
+  when the rows' continuations beat drafting, the pass has no drafter pass at all (rows without
+  one take a plain step in it).
 * **Per sequence**: sampling settings, seeds, penalties, stops and limits are the
   single-sequence engine's (:func:`~dflash.speculative.build_request`, ``BlockSampler.accept``,
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output

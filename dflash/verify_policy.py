@@ -83,9 +83,11 @@ MEMORY_CAP = 32.0
 # after the first probe), so a prompt on which the drafter does well soon finds out.
 INHERITED_LOSSES = 3
 # Prior acceptance of a context continuation's rows by the order of the n-gram it matched
-# (:mod:`dflash.lookup`), until the policy has seen some verified: measured on the held-out mix,
-# a 3-gram's first row was accepted ~0.6 of the time, a 2-gram's ~0.4.
-LOOKUP_PRIOR = {3: 0.6, 2: 0.4}
+# (:mod:`dflash.lookup`), until the policy has seen some verified. Measured at every position of
+# the built-in target's greedy answers to the held-out mix: a 3-gram continuation's first token
+# was right 0.76 of the time on GSM8K, 0.66 on chat, 0.84 on HumanEval; a 2-gram's 0.60, 0.59,
+# 0.47 (a 3-gram matched at 40-50 % of positions on GSM8K and HumanEval, 11 % on chat).
+LOOKUP_PRIOR = {3: 0.7, 2: 0.5}
 
 
 def lookup_prior(order: int) -> float:
