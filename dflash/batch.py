@@ -37,6 +37,10 @@ Design:
   grows, ``verify(B * n)`` grows and plain steps win by themselves. When speculation loses, plain
   steps run for a stretch that doubles while it keeps losing, then one cycle probes again.
   ``policy="fixed"`` verifies the whole block. Chains only: trees are for a lone sequence.
+* **Continuations.** Under ``auto`` a row may verify its own context's continuation
+  (:mod:`dflash.lookup`) instead of its drafted block, where that is expected to commit more;
+  when the rows' continuations beat drafting, the pass has no drafter pass at all (rows without
+  one take a plain step in it).
 * **Per sequence**: sampling settings, seeds, penalties, stops and limits are the
   single-sequence engine's (:func:`~dflash.speculative.build_request`, ``BlockSampler.accept``,
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output
@@ -422,8 +426,9 @@ class BatchGenerator:
 
     # -- one decode cycle for every row -------------------------------------------------------
 
-    def _want_draft(self, context: int, cap: int) -> bool:
-        """Draft this cycle? ``policy="auto"``: while plain steps are predicted to win, no."""
+    def _want_draft(self, context: int, cap: int, looked: list[np.ndarray | None]) -> bool:
+        """Draft this cycle? ``policy="auto"``: while plain steps are predicted to win, no;
+        nor while the rows' continuations (``looked``, without a drafter pass) are."""
         if cap < 2:
             return False
         if self.policy == "fixed":
@@ -435,8 +440,13 @@ class BatchGenerator:
             self.probe = False
             return True
         rows = self._draft_rows(cap)
-        width, _ = batch_width([s.state.policy.acceptance.predict(s.conf) for s in self.rows],
-                               self.cost, context, self.cost.draft(len(self.rows) * rows))
+        width, rate = batch_width([s.state.policy.acceptance.predict(s.conf) for s in self.rows],
+                                  self.cost, context, self.cost.draft(len(self.rows) * rows))
+        if any(lp is not None for lp in looked):
+            _, look_rate = batch_width([np.zeros(0) if lp is None else lp for lp in looked],
+                                       self.cost, context, 0.0)
+            if look_rate >= rate:
+                return False
         if width > 1:
             return True
         self._lost()
@@ -484,7 +494,13 @@ class BatchGenerator:
         context = max(len(s.state.fed) for s in rows)  # tokens in the longest row's cache
         cap = min(self.block_size, max(s.remaining for s in rows))
         width, drafted_rows, log_conf = 1, 0, [None] * len(rows)
-        if self._want_draft(context, cap):
+        # Each row's own continuation (dflash.lookup), where the policy looks up: proposals that
+        # cost no drafter pass.
+        looks = [s.state.lookup.continuation(s.state.history, cap - 1)
+                 if s.state.policy.lookup and cap > 1 else ([], 0) for s in rows]
+        looked = [s.state.policy.lookup_expectation(*look) for s, look in zip(rows, looks)]
+        use_look = [False] * len(rows)
+        if self._want_draft(context, cap, looked):
             self._sync_drafter()
             drafted_rows = self._draft_rows(cap)
             # Scores over the draft vocabulary only (as the single-sequence cycle reads them):
@@ -502,16 +518,31 @@ class BatchGenerator:
             if self.policy == "fixed":
                 width = drafted_rows
             else:  # drafting is spent: speculate if verifying beats a plain step now
-                width, _ = batch_width([s.state.policy.acceptance.predict(s.conf) for s in rows],
-                                       self.cost, context, 0.0)
+                drafted_p = [s.state.policy.acceptance.predict(s.conf) for s in rows]
+                # A row verifies its continuation instead where that is expected to commit more.
+                use_look = [lp is not None and expected_tokens(lp)[-1] > expected_tokens(dp)[-1]
+                            for lp, dp in zip(looked, drafted_p)]
+                width, _ = batch_width(
+                    [lp if u else dp for u, lp, dp in zip(use_look, looked, drafted_p)],
+                    self.cost, context, 0.0)
                 if width == 1:
                     self._lost()
+        elif self.policy == "auto" and any(lp is not None for lp in looked):
+            # No drafting this cycle: verify the rows' continuations where they beat a plain
+            # batched step (a row without one takes a plain step in the same pass).
+            use_look = [lp is not None for lp in looked]
+            width, _ = batch_width([lp if lp is not None else np.zeros(0) for lp in looked],
+                                   self.cost, context, 0.0)
         # Each row: its anchor and up to width - 1 proposals (padding after them is never read).
         proposals, qs = [], []
         for i, s in enumerate(rows):
             k = min(width - 1, s.remaining - 1)
             props, q = [], None
-            if k > 0 and s.request.sampler.proposes_argmax:
+            if k > 0 and use_look[i]:
+                props = looks[i][0][:k]
+            elif k > 0 and not drafted_rows:
+                pass  # a pass of continuations: this row takes a plain step in it
+            elif k > 0 and s.request.sampler.proposes_argmax:
                 props = top_ids[i, :k].tolist()
             elif k > 0:
                 props, q = self.draft.propose(full_logits(scores[i, :k], columns,
@@ -533,18 +564,22 @@ class BatchGenerator:
                                                 s.state.history)
             s.state.fed += [anchors[i]] + props[:a]
             s.state.commit_taps(taps[i:i + 1, :a + 1])
-            if props:
+            if props and use_look[i]:
+                s.state.policy.record(None, Plan(len(props), lookup=props, order=looks[i][1]),
+                                      a, None, 0)
+            elif props:
                 s.state.policy.record(log_conf[i], Plan(len(props)), a, None, drafted_rows)
             else:
                 s.state.policy.record(None, None, 0, None, 0)
-            steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props))
+            steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props,
+                                    lookup=bool(props) and use_look[i]))
             keep.append(a + 1)
         rollback_rows(self.cache, trace, keep, width)
         mx.async_eval([c.state for c in self.cache])
         if drafted_rows:
             self.widths.append(width)
-        if width > 1 and self.policy == "auto":
-            self._judge(steps, context, drafted_rows, width)
+        if width > 1 and drafted_rows and self.policy == "auto":
+            self._judge(steps, context, drafted_rows, width, use_look, looked)
         t2 = time.perf_counter()
         done = []
         for s, step in zip(rows, steps):
@@ -555,13 +590,14 @@ class BatchGenerator:
         self._keep([i for i, d in enumerate(done) if not d])
 
     def _judge(self, steps: list[StepResult], context: int, drafted_rows: int,
-               width: int) -> None:
-        """After a speculative pass: did it beat plain steps? Half what the acceptance model
+               width: int, use_look: list[bool], looked: list[np.ndarray | None]) -> None:
+        """After a drafted pass: did it beat plain steps? Half what the acceptance models
         expected, half what was committed (as the single-sequence policy judges)."""
         b = len(steps)
         ms = self.cost.draft(b * drafted_rows) + self.cost.verify(b * width, context)
-        expected = sum(expected_tokens(s.state.policy.acceptance.predict(s.conf))[
-            min(width - 1, len(s.conf))] for s in self.rows)
+        expect = [lp if u else s.state.policy.acceptance.predict(s.conf)
+                  for s, u, lp in zip(self.rows, use_look, looked)]
+        expected = sum(expected_tokens(p)[min(width - 1, len(p))] for p in expect)
         committed = sum(len(step.tokens) for step in steps)
         if 0.5 * (expected + committed) / ms < MARGIN * b / self.cost.verify(b, context):
             self._lost()

@@ -445,3 +445,91 @@ def test_concurrency_bench_reports_both_engines(loaded_pair, tiny_pair):
     assert result["single"]["tokens"] == result["dflash"]["tokens"] == result["mlx_lm"]["tokens"]
     assert result["config"]["max_batch"] == 3 and result["batched_vs_single"] > 0
     assert "max_batch 3" in format_concurrency(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuations (dflash.lookup) in batched passes
+
+
+def lookup_costs():
+    """Verify rows free up to 64, a drafter pass dear: under ``auto`` the batch verifies the
+    rows' own continuations without drafting."""
+    from dflash.cost_model import CostModel
+
+    rows = [1, 2, 4, 8, 16, 32, 64, 128]
+    return CostModel(key="t", machine={}, rows=rows, contexts=[128],
+                     verify_ms=[[10.0] * 7 + [20.0]], draft_rows=[2, 4, 8, 16],
+                     draft_ms=[200.0] * 4)
+
+
+class NeverRight:
+    """A drafter whose every batched proposal is wrong (the real pass still runs)."""
+
+    def __init__(self, draft):
+        self.inner = draft
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def block_scores_batch(self, target, anchors, block_len, cache):
+        real, columns = self.inner.block_scores_batch(target, anchors, block_len, cache)
+        return -real, columns
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_batched_continuations_are_each_request_alone(kind, loaded_pair, monkeypatch):
+    import dflash.batch as batch_module
+
+    model, tokenizer, draft = loaded_pair(kind)
+    monkeypatch.setattr(batch_module, "cost_model", lambda *a, **k: lookup_costs())
+    prompts = prompts_for(tokenizer)
+    engine = BatchGenerator(model, NeverRight(draft), tokenizer, max_batch=4, prefill_chunk=64,
+                            block_size=6, policy="auto")
+    tokens, _, stats = run_engine(engine, prompts, MAX_TOKENS)
+    for p, m, out in zip(prompts, MAX_TOKENS, tokens):
+        assert out == alone(model, p, m)
+    # Continuations were verified in batched passes (tiny random targets repeat themselves),
+    # and accepted.
+    assert sum(s.lookup_cycles for s in stats) >= 5
+    assert sum(round(s.mean_tau * s.cycles) - s.cycles for s in stats) > 0
+
+
+@pytest.mark.slow
+def test_sampled_batched_continuations_keep_the_target_distribution(tmp_path, monkeypatch):
+    """Rows verifying a continuation (a proposal without q) beside rows taking plain steps in
+    the same passes, at T > 0: the target's law (chi-square as in test_sampling_stats)."""
+    import test_sampling_stats as st
+
+    import dflash.batch as batch_module
+    from dflash import speculative
+    from dflash.drafter import load_draft
+    from dflash.lookup import ContextLookup
+    from dflash.verify_policy import PairMemory
+
+    model, dpath = st.sharp_target(tmp_path)
+    draft = load_draft(dpath)
+    monkeypatch.setattr(batch_module, "cost_model", lambda *a, **k: lookup_costs())
+    # A stand-in continuation that always exists (a function of the history, right now and
+    # then), and one memory for all requests so that they start knowing the drafter loses.
+    monkeypatch.setattr(ContextLookup, "continuation",
+                        lambda self, history, length: (history[::-1][:length], 2))
+    memory = PairMemory(st.BLOCK - 1)
+    monkeypatch.setattr(speculative, "pair_memory", lambda *a: memory)
+    settings = dict(st.CASES["temperature"])
+    joint = st.exact_joint(st.reference_next(st.target_logits(model, st.all_prefixes(st.K - 1)),
+                                             settings))
+    engine = BatchGenerator(model, draft, None, max_batch=8, block_size=st.BLOCK, policy="auto")
+    uids = [engine.insert(st.PROMPT, max_tokens=st.K, seed=s, **settings) for s in range(st.N)]
+    tokens = {u: [] for u in uids}
+    lookups = 0
+    while engine.active or engine.pending:
+        for e in engine.step():
+            tokens[e.uid] += e.tokens
+            if e.finish_reason is not None:
+                lookups += e.stats.lookup_cycles
+    stat, df, p = st.chi_square(np.array([tokens[u] for u in uids]), joint)
+    print(f"\nbatched continuations/temperature: chi2={stat:.1f} df={df} p={p:.3g} (90% power "
+          f"against chi-square divergence >= {st.detectable(df):.3f}); {lookups} continuation "
+          "chains")
+    assert lookups >= st.N // 2
+    assert p >= st.ALPHA
