@@ -442,12 +442,19 @@ class VerifyPolicy:
         k = int(np.argmax(value)) + 1
         if value[k - 1] * self._plain_ms() < MARGIN:
             return None
-        # A drafter in a losing streak would only probe: the continuation goes first.
-        if drafting and not self.losses and (self.draft_rate is None
-                                             or value[k - 1] < self.draft_rate):
+        # A drafter in a losing streak would only probe: the continuation goes first. One not
+        # yet seen drafts, unless not even a block accepted whole could beat the continuation.
+        drafter = self.draft_rate if self.draft_rate is not None else self._best_drafted_rate()
+        if drafting and not self.losses and value[k - 1] < drafter:
             return None
         self.expected = float(value[k - 1])
         return Plan(k, lookup=tokens[:k], order=order)
+
+    def _best_drafted_rate(self) -> float:
+        """Tokens per ms of a drafted block whose every row is accepted: what no drafter beats."""
+        rows = np.arange(1, self.acceptance.rows + 1)
+        return float(max((k + 1) / (self.cost.draft(k + 1) + ms)
+                         for k, ms in zip(rows, self._chain_ms())))
 
     def _lookup_values(self, tokens: list[int], order: int, draft_ms: float) -> np.ndarray:
         """Expected committed tokens per ms of verifying the first ``k`` continuation tokens."""

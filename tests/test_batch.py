@@ -501,20 +501,16 @@ def test_sampled_batched_continuations_keep_the_target_distribution(tmp_path, mo
     import test_sampling_stats as st
 
     import dflash.batch as batch_module
-    from dflash import speculative
     from dflash.drafter import load_draft
     from dflash.lookup import ContextLookup
-    from dflash.verify_policy import PairMemory
 
     model, dpath = st.sharp_target(tmp_path)
     draft = load_draft(dpath)
     monkeypatch.setattr(batch_module, "cost_model", lambda *a, **k: lookup_costs())
     # A stand-in continuation that always exists (a function of the history, right now and
-    # then), and one memory for all requests so that they start knowing the drafter loses.
+    # then).
     monkeypatch.setattr(ContextLookup, "continuation",
                         lambda self, history, length: (history[::-1][:length], 2))
-    memory = PairMemory(st.BLOCK - 1)
-    monkeypatch.setattr(speculative, "pair_memory", lambda *a: memory)
     settings = dict(st.CASES["temperature"])
     joint = st.exact_joint(st.reference_next(st.target_logits(model, st.all_prefixes(st.K - 1)),
                                              settings))

@@ -554,8 +554,8 @@ def test_broken_tree_walk_fails_the_same_test(name, pair, raw_table, raw_np, mon
 
 
 # A machine made for the test: a verify pass of 2+ rows costs half a plain step, so a
-# continuation always pays, however rarely it is right; a drafter pass costs five steps, so
-# the drafter soon loses.
+# continuation always pays, however rarely it is right; a drafter pass costs five steps, so not
+# even a block accepted whole would beat it: continuations from the first cycle.
 LOOKUP_VERIFY = [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
 LOOKUP_DRAFT = [5.0, 5.0]
 
@@ -568,7 +568,6 @@ def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N) -> tuple[n
     The sequences and the number of continuation chains verified."""
     from dflash import cost_model as costs
     from dflash.lookup import ContextLookup
-    from dflash.verify_policy import PairMemory
 
     model, draft = pair
     flat = costs.CostModel(key="flat", machine=costs.machine_id(), rows=[1, 2, 4, 8, 16, 32],
@@ -577,10 +576,6 @@ def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N) -> tuple[n
     monkeypatch.setattr(speculative, "cost_model", lambda *a, **k: flat)
     monkeypatch.setattr(ContextLookup, "continuation",
                         lambda self, history, length: (history[::-1][:length], 2))
-    # One memory for all runs (each has its own drafter object): from the second run on, a
-    # generation starts knowing the drafter loses here, and verifies continuations at once.
-    memory = PairMemory(BLOCK - 1)
-    monkeypatch.setattr(speculative, "pair_memory", lambda *a: memory)
     seqs = np.zeros((n, K), dtype=np.int64)
     lookups = 0
     for s in range(n):
