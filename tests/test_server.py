@@ -127,6 +127,20 @@ def test_min_confidence_shortens_verify_not_output(client, reference):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_confidence"
 
 
+def test_lookup_field_turns_continuations_off_not_output(client, reference):
+    prompt = chat("Repeat after me: one two three, one two three, one two three.")
+    text, _, _ = reference(prompt, max_tokens=32)
+    for lookup in (True, False):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=prompt, max_tokens=32,
+                                           temperature=0, extra_body={"lookup": lookup})
+        assert r.choices[0].message.content == text
+        if not lookup:
+            assert r.model_extra["dflash"]["lookup_cycles"] == 0
+    bad = httpx.post(str(client.base_url) + "chat/completions", json={
+        "model": MODEL_NAME, "messages": chat("hi"), "lookup": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lookup"
+
+
 def test_chat_stream_equals_library(client, reference):
     text, tokens, n_prompt = reference(chat("Count to ten."), max_tokens=20)
     stream = client.chat.completions.create(

@@ -41,7 +41,7 @@ IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed"
 # The server's own settings, accepted here as on the OpenAI endpoints (same names and rules).
 EXTENSIONS = {"min_p", "seed", "logit_bias", "repetition_penalty", "presence_penalty",
               "frequency_penalty", "proposal", "block_size", "policy", "tree_budget",
-              "min_confidence"}
+              "min_confidence", "lookup"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}

@@ -60,6 +60,7 @@ class GenerationSettings:
     min_confidence: float | None = None
     policy: str | None = None
     tree_budget: int | None = None
+    lookup: bool = True  # False: the auto policy verifies the drafter's proposals only
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of ``dflash.speculative.stream_generate``."""
@@ -71,7 +72,8 @@ class GenerationSettings:
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             seed=s.seed, logit_bias=s.logit_bias, proposal=s.proposal,
             max_tokens=self.max_tokens, stop=self.stop, block_size=self.block_size,
-            min_confidence=self.min_confidence, policy=self.policy, tree_budget=self.tree_budget)
+            min_confidence=self.min_confidence, policy=self.policy, tree_budget=self.tree_budget,
+            lookup=self.lookup)
 
 
 @dataclass
@@ -175,6 +177,17 @@ def _number(body: dict, name: str, default, integer: bool = False):
     return int(value) if integer else float(value)
 
 
+def _flag(body: dict, name: str, default: bool) -> bool:
+    """A boolean field (JSON true/false only); ``default`` when absent."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name}={value!r}: must be true or false", param=name,
+                       code="invalid_type")
+    return value
+
+
 def generation_settings(body: dict, served: ServedModel, n_prompt: int,
                         param: str) -> GenerationSettings:
     """The settings of a request whose prompt has ``n_prompt`` tokens (``param`` holds it)."""
@@ -244,7 +257,8 @@ def generation_settings(body: dict, served: ServedModel, n_prompt: int,
         raise config_error(e) from None
     return GenerationSettings(sampling, max_tokens, stop=stop, block_size=block_size,
                               min_confidence=_number(body, "min_confidence", None),
-                              policy=policy, tree_budget=tree_budget)
+                              policy=policy, tree_budget=tree_budget,
+                              lookup=_flag(body, "lookup", True))
 
 
 def _content_text(content, index: int) -> str:
