@@ -253,8 +253,9 @@ def tree_node_probs(tree: DraftTree, spine: np.ndarray, calibration: NodeCalibra
 
 class PairMemory:
     """What one loaded (target, drafter) pair's generations taught the ``auto`` policy, for the
-    next ones in this process: the acceptance calibration, the off-spine node calibration, the
-    verified depths, and whether the last cycles were losing. Each generation starts from a copy
+    next ones in this process: the drafter's and the continuations' acceptance calibrations, the
+    off-spine node calibration, the verified depths, the drafted blocks' expected rate and
+    whether the last cycles were losing. Each generation starts from a copy
     and adds its cycles as they happen (under a lock: generations in other threads see them
     from their next start, never mid-generation). Exactness never depends on it: it only steers
     how much is drafted and verified."""
@@ -267,12 +268,10 @@ class PairMemory:
         self.depths: deque[int] = deque(maxlen=8)
         self.losses = 0
         self.draft_rate: float | None = None
-        self.generations = 0
 
     def seed(self, policy: VerifyPolicy) -> None:
         """Start ``policy`` from what earlier generations measured."""
         with self._lock:
-            self.generations += 1
             self.acceptance.copy_into(policy.acceptance)
             self.lookup.copy_into(policy.lookup_acceptance)
             policy.nodes.hits, policy.nodes.mass = dict(self.nodes.hits), dict(self.nodes.mass)
@@ -315,13 +314,14 @@ _memories_lock = threading.Lock()
 
 
 def pair_memory(target, draft, rows: int) -> PairMemory:
-    """The memory of this loaded target model and drafter (forgotten with the drafter)."""
+    """The memory of this loaded target model and drafter (forgotten with either)."""
     key = (id(target), id(draft))
     with _memories_lock:
         memory = _memories.get(key)
         if memory is None:
             memory = _memories[key] = PairMemory(rows)
-            weakref.finalize(draft, _memories.pop, key, None)
+            for owner in (target, draft):  # an id is reused only after its object is gone
+                weakref.finalize(owner, _memories.pop, key, None)
         return memory
 
 

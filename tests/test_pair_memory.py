@@ -104,14 +104,14 @@ def test_a_running_generation_never_sees_another_generations_updates():
 
 
 def test_the_memory_belongs_to_one_loaded_pair_and_only_to_auto():
-    class Drafter:  # stands for a loaded drafter object (only its identity matters here)
+    class Loaded:  # stands for a loaded model or drafter (only its identity matters here)
         pass
 
-    target, a, b = object(), Drafter(), Drafter()
+    target, other, a, b = Loaded(), Loaded(), Loaded(), Loaded()
     memory = pair_memory(target, a, 15)
     assert pair_memory(target, a, 15) is memory
     assert pair_memory(target, b, 15) is not memory
-    assert pair_memory(object(), a, 15) is not memory
+    assert pair_memory(other, a, 15) is not memory
     lose(VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory), 3)
     fixed = VerifyPolicy("fixed", 16, memory=memory)
     assert fixed.memory is None and fixed.losses == 0
@@ -120,4 +120,8 @@ def test_the_memory_belongs_to_one_loaded_pair_and_only_to_auto():
     gc.collect()
     assert all(drafter != gone for _, drafter in verify_policy._memories)
     assert (id(target), id(b)) in verify_policy._memories
+    gone = id(target)
+    del target
+    gc.collect()
+    assert all(model != gone for model, _ in verify_policy._memories)
 
