@@ -150,6 +150,24 @@ def test_generate_sampling_options_reach_the_engine(pair, library):
 
 
 @pytest.mark.slow
+def test_generate_no_lookup_reaches_the_engine(pair, library):
+    """The tiny target repeats itself, so by default the context's continuation is verified;
+    ``--no-lookup`` verifies the drafter's proposals only. Same text either way."""
+    target, draft = pair
+    prompt = "Repeat: red blue red blue red blue red blue"
+    expected = library(prompt, max_tokens=24)
+    lookups = {}
+    for flag in ("--no-lookup", None):
+        p = run("generate", "--model", target, "--draft", draft, "--prompt", prompt,
+                "--max-tokens", 24, "--json", "--no-speedup-estimate", *([flag] if flag else []))
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        assert out["tokens"] == expected.tokens
+        lookups[flag] = out["stats"]["lookup_cycles"]
+    assert lookups["--no-lookup"] == 0 < lookups[None]
+
+
+@pytest.mark.slow
 def test_generate_raw_prompt_without_template(pair, loaded_pair):
     from dflash.model_mlx import generate
 
