@@ -302,6 +302,11 @@ def run_bench(model: str | None = None, draft: str | None = None,
                              **(template_kwargs or {})) for item in items]
     greedy = temperature == 0
 
+    from .pair_memory import pair_memory
+
+    # What the auto policy starts from: a fresh calibration, or what earlier runs stored.
+    memory = pair_memory(pair.model, pair.draft, pair.draft.block_size - 1).source
+    say(f"pair memory: {memory}")
     if warmup:
         say("warming up ...")
         n = min(16, max_tokens)
@@ -353,7 +358,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
-            "tree_budget": tree_budget, "lookup": lookup,
+            "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory,
             "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
@@ -405,8 +410,10 @@ def _policy_text(cfg: dict) -> str:
     if policy == "auto":
         lookup = ("; the context's own continuation verified where it pays"
                   if cfg.get("lookup", True) else "; drafter proposals only (--no-lookup)")
+        memory = f"; started from pair memory: {cfg['pair_memory']}" \
+            if cfg.get("pair_memory") else ""
         return ("auto (rows chosen per cycle from this machine's measured cost model; plain "
-                f"steps while speculation loses{lookup})")
+                f"steps while speculation loses{lookup}{memory})")
     if policy == "fixed":
         return "fixed (the whole block)"
     return (f"confidence (drafted tokens checked while the drafter's running confidence is at "

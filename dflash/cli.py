@@ -451,6 +451,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     pair = load_pair(args.model, args.draft, log=log)
     parts = target_parts(pair.model)
     model = costs.cost_model(parts, pair.draft, refresh=args.refresh)
+    if args.refresh:  # its per-ms parts were measured against the old costs
+        from .pair_memory import forget_stored
+
+        forgotten = forget_stored(pair.model, pair.draft)
+        if forgotten is not None:
+            log(f"forgot what earlier generations stored ({forgotten})")
     log(f"calibration {costs.calibration_file(model.key)} (measured {model.measured_at})")
     print(costs.format_table(model), flush=True)
     if args.out is not None:
@@ -559,7 +565,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        "context, and one drafter pass per block length. Measured once per "
                        "machine and pair, then read from $DFLASH_HOME/calibration.")
     add_model_args(p)
-    p.add_argument("--refresh", action="store_true", help="measure again, even if cached")
+    p.add_argument("--refresh", action="store_true",
+                   help="measure again, even if cached; and forget what the pair's earlier "
+                        "generations stored for the auto policy ($DFLASH_HOME/calibration/"
+                        "memory-*.json)")
     p.add_argument("--out", default=None,
                    help="folder for calibration.json and calibration.png (verify cost "
                         "against rows; needs matplotlib)")

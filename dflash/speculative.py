@@ -14,6 +14,7 @@ from .cost_model import cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import ContextLookup
+from .pair_memory import pair_memory
 from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
@@ -38,7 +39,6 @@ from .verify_policy import (
     check_tree_budget,
     check_trees_possible,
     draft_candidates,
-    pair_memory,
 )
 
 

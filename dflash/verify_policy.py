@@ -36,12 +36,12 @@ committed tokens per second under the measured cost model (:mod:`dflash.cost_mod
   acceptance is calibrated online like the drafter's. Before drafting it is verified instead when
   it beats a plain step and the drafter's recent plans (in a plain stretch: a plain step); after
   drafting, when it beats the drafted block.
-* **What earlier generations taught.** A loaded pair keeps its calibration between generations
-  (:class:`PairMemory`, in process, at most ``MEMORY_CAP`` observations per cell so new text still
-  moves it): a generation starts from what the pair's earlier ones measured, and one that starts
-  behind a losing streak probes with ``MIN_DRAFT_ROWS`` rows and does not verify what is expected
-  to lose. Without it every generation relearned its drafter: a never-agreeing drafter verified
-  its first two cycles and probed six times in each 96-token generation.
+* **What earlier generations taught.** A loaded pair keeps its calibration between generations,
+  and on disk for the next process (:mod:`dflash.pair_memory`, capped so new text still moves it):
+  a generation starts from what the pair's earlier ones measured, and one that starts behind a
+  losing streak probes with ``MIN_DRAFT_ROWS`` rows and does not verify what is expected to lose.
+  Without it every generation relearned its drafter: a never-agreeing drafter verified its first
+  two cycles and probed six times in each 96-token generation.
 
 Exactness: the cut depends only on the drafter's distributions and on past cycles, never on the
 tokens drawn in this cycle, so greedy output is the target's and rejection sampling stays exact.
@@ -49,8 +49,6 @@ tokens drawn in this cycle, so greedy output is the target's and rejection sampl
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -64,6 +62,7 @@ if TYPE_CHECKING:  # types only: the CLI reads POLICIES without loading MLX
     import mlx.core as mx
 
     from .cost_model import CostModel
+    from .pair_memory import PairMemory
 
 POLICIES = ("auto", "confidence", "fixed", "tree")
 BINS = 10
@@ -76,12 +75,6 @@ VERIFIED_LOSSES = 2  # losing cycles verified before a probe expected to lose ve
 # Speculation must beat a plain step by this factor: the cost model times the passes, not the
 # host work around them (candidates, planning, bookkeeping), and its estimates are noisy.
 MARGIN = 1.1
-# Most observations per (row, confidence bin) a pair remembers across generations: enough to
-# start a generation calibrated, few enough that ~a generation's cycles re-steer it.
-MEMORY_CAP = 32.0
-# Longest losing streak a generation inherits: its first plain stretches stay short (2**3 steps
-# after the first probe), so a prompt on which the drafter does well soon finds out.
-INHERITED_LOSSES = 3
 # Prior acceptance of a context continuation's rows by the order of the n-gram it matched
 # (:mod:`dflash.lookup`), until the policy has seen some verified. Measured at every position of
 # the built-in target's greedy answers to the held-out mix: a 3-gram continuation's first token
@@ -249,86 +242,6 @@ def tree_node_probs(tree: DraftTree, spine: np.ndarray, calibration: NodeCalibra
             step = min(1.0, q * calibration.factor(kinds[i]))
         p[i] = p[tree.parents[i]] * step
     return p[1:]
-
-
-class PairMemory:
-    """What one loaded (target, drafter) pair's generations taught the ``auto`` policy, for the
-    next ones in this process: the drafter's and the continuations' acceptance calibrations, the
-    off-spine node calibration, the verified depths, the drafted blocks' expected rate and
-    whether the last cycles were losing. Each generation starts from a copy
-    and adds its cycles as they happen (under a lock: generations in other threads see them
-    from their next start, never mid-generation). Exactness never depends on it: it only steers
-    how much is drafted and verified."""
-
-    def __init__(self, rows: int):
-        self._lock = threading.Lock()
-        self.acceptance = AcceptanceModel(rows)
-        self.lookup = AcceptanceModel(rows)
-        self.nodes = NodeCalibration()
-        self.depths: deque[int] = deque(maxlen=8)
-        self.losses = 0
-        self.draft_rate: float | None = None
-
-    def seed(self, policy: VerifyPolicy) -> None:
-        """Start ``policy`` from what earlier generations measured."""
-        with self._lock:
-            self.acceptance.copy_into(policy.acceptance)
-            self.lookup.copy_into(policy.lookup_acceptance)
-            policy.nodes.hits, policy.nodes.mass = dict(self.nodes.hits), dict(self.nodes.mass)
-            policy.depths.extend(self.depths)
-            policy.losses = min(self.losses, INHERITED_LOSSES)
-            policy.draft_rate = self.draft_rate
-
-    def observe(self, conf: np.ndarray | None, verified: int, accepted: int,
-                tree: DraftTree | None, path: list[int] | None, depth: int) -> None:
-        """One verified cycle of some generation."""
-        with self._lock:
-            if conf is not None and len(conf):
-                if len(conf) > self.acceptance.rows:  # a longer block than before
-                    grown = AcceptanceModel(len(conf))
-                    self.acceptance.copy_into(grown)
-                    self.acceptance = grown
-                self.acceptance.update(conf, verified, accepted)
-                self.acceptance.cap(MEMORY_CAP)
-            if tree is not None:
-                self.nodes.update(tree, path)
-                self.nodes.cap(MEMORY_CAP)
-            self.depths.append(depth)
-
-    def observe_lookup(self, conf: np.ndarray, verified: int, accepted: int) -> None:
-        """One verified chain of the context's continuation."""
-        with self._lock:
-            if len(conf) <= self.lookup.rows:
-                self.lookup.update(conf, verified, accepted)
-                self.lookup.cap(MEMORY_CAP)
-
-    def streak(self, losses: int, draft_rate: float | None) -> None:
-        """The losing streak a generation is in now (0: speculation pays) and what its drafted
-        blocks were expected to commit per ms."""
-        with self._lock:
-            self.losses, self.draft_rate = losses, draft_rate
-
-
-_memories: dict[tuple[int, int], PairMemory] = {}
-_memories_lock = threading.Lock()
-
-
-def pair_memory(target, draft, rows: int) -> PairMemory:
-    """The memory of this loaded target model and drafter (forgotten with either)."""
-    key = (id(target), id(draft))
-    with _memories_lock:
-        memory = _memories.get(key)
-        if memory is None:
-            memory = _memories[key] = PairMemory(rows)
-            for owner in (target, draft):  # an id is reused only after its object is gone
-                weakref.finalize(owner, _memories.pop, key, None)
-        return memory
-
-
-def forget_pairs() -> None:
-    """Every pair's memory goes: the next generations start from the drafter's raw confidence."""
-    with _memories_lock:
-        _memories.clear()
 
 
 @dataclass

@@ -44,9 +44,11 @@ def test_sweep_reports_everything(pair, tmp_path):
             assert p["baseline"]["prompt_time"] > 0 and p["dflash"]["decode_time"] > 0
             assert p["dflash"]["draft_time"] > 0 and p["dflash"]["verify_time"] > 0
             assert len(p["dflash"]["acceptance_by_position"]) == width
-    # Warm-up, then 2 repeats x 2 prompts x (baseline + 2 block sizes), alternating order.
+    # What the policy starts from, the warm-up, then 2 repeats x 2 prompts x (baseline + 2 block
+    # sizes), alternating order.
     progress = [line for line in logs if line.startswith("[")]
-    assert len(progress) == 12 and logs[0].startswith("warming up")
+    assert logs[0] == "pair memory: fresh" == "pair memory: " + result["config"]["pair_memory"]
+    assert len(progress) == 12 and logs[1].startswith("warming up")
     assert "mlx-lm" in progress[0] and "mlx-lm" not in progress[3]
     assert json.loads((tmp_path / "bench.json").read_text())["identical"] is True
     md = (tmp_path / "bench.md").read_text()

@@ -19,7 +19,7 @@ LAYERS: dict[str, set[str]] = {
     "model": {"target", "drafter", "checkpoint", "sampling", "prompts", "gguf_import",
               "default_pair", "tree", "lookup", "dflash2", "ragged_cache"},
     "engine": {"model_mlx", "pair", "speculative", "batch", "verify_policy", "cost_model",
-               "prompt_cache", "acceptance", "stats"},
+               "prompt_cache", "acceptance", "stats", "pair_memory"},
     "tools": {"serving.*", "training.*", "bench", "convert"},
     "top": {"cli", "__main__"},
 }

@@ -20,15 +20,9 @@ import numpy as np
 import pytest
 from test_plain_steps import FLAT_COST, ROWS_COST, confident, cost
 
-from dflash import verify_policy
-from dflash.verify_policy import (
-    INHERITED_LOSSES,
-    MEMORY_CAP,
-    MIN_DRAFT_ROWS,
-    PairMemory,
-    VerifyPolicy,
-    pair_memory,
-)
+from dflash import pair_memory as stored
+from dflash.pair_memory import INHERITED_LOSSES, MEMORY_CAP, PairMemory, pair_memory
+from dflash.verify_policy import MIN_DRAFT_ROWS, VerifyPolicy
 
 
 def lose(policy: VerifyPolicy, cycles: int) -> None:
@@ -118,10 +112,186 @@ def test_the_memory_belongs_to_one_loaded_pair_and_only_to_auto():
     gone = id(a)
     del a
     gc.collect()
-    assert all(drafter != gone for _, drafter in verify_policy._memories)
-    assert (id(target), id(b)) in verify_policy._memories
+    assert all(drafter != gone for _, drafter in stored._memories)
+    assert (id(target), id(b)) in stored._memories
     gone = id(target)
     del target
     gc.collect()
-    assert all(model != gone for model, _ in verify_policy._memories)
+    assert all(model != gone for model, _ in stored._memories)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored: the next process starts where this one ended (dflash.pair_memory on disk)
+
+ONE_SHOT = """
+import json, sys
+import dflash
+from dflash.model_mlx import generate, load, load_draft
+from dflash.pair_memory import pair_memory
+model, tokenizer = load(sys.argv[1])
+draft = load_draft(sys.argv[2])
+memory = pair_memory(model, draft, draft.block_size - 1)
+before = {"source": memory.source, "tried": memory.acceptance.tried.tolist(),
+          "losses": memory.losses}
+r = generate(model, draft, tokenizer, "The sea is", max_tokens=40, policy="auto")
+print(json.dumps({"before": before, "tokens": r.tokens, "tried": memory.acceptance.tried.tolist(),
+                  "losses": memory.losses}))
+"""
+
+
+@pytest.fixture
+def storing(tiny_pair, tmp_path, monkeypatch):
+    """The stored memory turned on, in a DFLASH_HOME of the test's own (the tiny pair built
+    first: its tokenizer comes from the built-in target in the real DFLASH_HOME)."""
+    tiny_pair("llama")
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(stored.ENV, "1")
+    return tmp_path / "home" / "calibration"
+
+
+def one_shot(pair, **env) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", ONE_SHOT, *map(str, pair)], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, **env))
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_new_process_starts_where_the_last_one_ended(tiny_pair, storing):
+    pair = tiny_pair("llama")
+    first = one_shot(pair)
+    assert first["before"]["source"] == "fresh" and not np.any(first["before"]["tried"])
+    assert np.sum(first["tried"]) > 0  # the random drafter was verified and lost
+    files = list(storing.glob("memory-*.json"))
+    assert len(files) == 1  # saved at exit
+    second = one_shot(pair)
+    assert second["before"]["source"] == f"stored {files[0].name}"
+    np.testing.assert_allclose(second["before"]["tried"], first["tried"], atol=1e-4)
+    assert second["before"]["losses"] == first["losses"]
+    assert second["tokens"] == first["tokens"]  # the memory steers the cost, never the output
+    # Turned off, the same process starts fresh and leaves the file alone.
+    mtime = files[0].stat().st_mtime_ns
+    off = one_shot(pair, **{stored.ENV: "0"})
+    assert off["before"]["source"] == "fresh" and off["tokens"] == first["tokens"]
+    assert files[0].stat().st_mtime_ns == mtime
+
+
+@pytest.mark.slow
+def test_calibrate_refresh_forgets_the_stored_memory(tiny_pair, storing):
+    import os
+    import subprocess
+    import sys
+
+    pair = tiny_pair("llama")
+    one_shot(pair)
+    (memory_file,) = storing.glob("memory-*.json")
+    p = subprocess.run([sys.executable, "-m", "dflash", "calibrate", "--model", str(pair[0]),
+                        "--draft", str(pair[1]), "--refresh"], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr
+    assert not memory_file.exists() and str(memory_file) in p.stderr
+    assert one_shot(pair)["before"]["source"] == "fresh"
+
+
+def test_the_stored_memory_belongs_to_the_weights_not_the_folder(tiny_pair):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dflash.model_mlx import load_draft
+
+    _, draft_path = tiny_pair("llama")
+    a, b = load_draft(str(draft_path)), load_draft(str(draft_path))
+    assert stored.fingerprint(a) == stored.fingerprint(b) is not None
+    name, weight = next((k, v) for k, v in tree_flatten(b.parameters()) if v.ndim == 2)
+    b.load_weights([(name, weight + 1e-3 * mx.ones_like(weight))], strict=False)
+    assert stored.fingerprint(b) != stored.fingerprint(a)  # re-trained in place: starts fresh
+    assert stored.fingerprint(object()) is None  # not a loaded model: kept in process only
+
+
+def stored_copy(memory: PairMemory, **changes) -> dict:
+    data = memory._to_dict()
+    data.update(changes)
+    return data
+
+
+def test_a_corrupt_or_foreign_file_is_said_once_and_replaced(loaded_pair, storing, capsys):
+    import json
+
+    model, _, draft = loaded_pair("llama")
+    path = stored.memory_file(model, draft)
+    assert path.parent == storing
+    path.parent.mkdir(parents=True)
+    for text in ("not json", json.dumps(stored_copy(PairMemory(7), format="dflash-cost/2")),
+                 json.dumps(stored_copy(PairMemory(7), acceptance={"accepted": [[1.0]],
+                                                                   "tried": [[0.0]]}))):
+        path.write_text(text)
+        stored.forget_pairs()
+        memory = pair_memory(model, draft, 7)
+        assert memory.source == "fresh" and not memory.acceptance.tried.any()
+        assert str(path) in capsys.readouterr().err
+    lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 3)
+    stored.save_all()
+    reread = PairMemory(7)
+    reread.load(json.loads(path.read_text()))  # replaced by a good one
+    np.testing.assert_allclose(reread.acceptance.tried, memory.acceptance.tried, atol=1e-4)
+
+
+def test_another_machines_memory_keeps_acceptance_not_timings(loaded_pair, storing):
+    import json
+
+    model, _, draft = loaded_pair("llama")
+    there = PairMemory(7)
+    lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=there), 5)
+    data = stored_copy(there, machine={"cpu": "another"})
+    path = stored.memory_file(model, draft)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(data))
+    here = pair_memory(model, draft, 7)
+    assert here.source.endswith("(another machine: acceptance only)")
+    np.testing.assert_allclose(here.acceptance.tried, there.acceptance.tried, atol=1e-4)
+    assert there.losses == 5 and here.losses == 0 and here.draft_rate is None
+
+
+def test_an_unwritable_folder_keeps_the_memory_in_process(loaded_pair, tmp_path, monkeypatch,
+                                                          capsys):
+    model, _, draft = loaded_pair("llama")
+    (tmp_path / "home").write_text("a file where DFLASH_HOME's folder should be")
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(stored.ENV, "1")
+    memory = pair_memory(model, draft, 7)
+    lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 3)
+    memory.save()
+    assert memory.path is None and "keeping it in this process" in capsys.readouterr().err
+    assert memory.acceptance.tried.sum() > 0 and pair_memory(model, draft, 7) is memory
+
+
+@pytest.mark.slow
+def test_the_one_shot_benchmark_script_runs_and_checks_its_outputs(tiny_pair, storing, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target, draft = tiny_pair("llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"sea-{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["The sea is", "Waves come and"])))
+    out = tmp_path / "runs.json"
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "scripts/bench_pair_memory.py", "--prompts", str(prompts),
+                        "--model", str(target), "--draft", str(draft), "--max-tokens", "24",
+                        "--block-size", "8", "--out", str(out)], cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "outputs identical: True" in p.stdout and "| sea (2) |" in p.stdout
+    runs = json.loads(out.read_text())
+    assert set(runs) == {"sea-0", "sea-1"}
+    for r in runs.values():
+        assert r["fresh"]["tokens"] == r["stored"]["tokens"] and r["fresh"]["priced_ms"] > 0
+    assert list(storing.glob("memory-*.json"))  # the stored side stored
