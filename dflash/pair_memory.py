@@ -80,7 +80,8 @@ class PairMemory:
     mid-generation). ``path``: where it is stored (``None``: in this process only)."""
 
     def __init__(self, rows: int, path: Path | None = None):
-        self._lock = threading.Lock()
+        # Re-entrant: a pair whose model is collected mid-update saves from its finalizer.
+        self._lock = threading.RLock()
         self.acceptance = AcceptanceModel(rows)
         self.lookup = AcceptanceModel(rows)
         self.nodes = NodeCalibration()
