@@ -158,7 +158,7 @@ class PairMemory:
             os.replace(tmp, path)
             self._dirty = False
         except OSError as e:
-            _say_once("unwritable", f"cannot save the pair's memory in {path.parent} ({e}); "
+            _say_once(f"unwritable {path.parent}", f"cannot save the pair's memory in {path.parent} ({e}); "
                       "keeping it in this process")
             self.path = None
             with contextlib.suppress(OSError):  # nothing half-written stays behind

@@ -295,3 +295,23 @@ def test_the_one_shot_benchmark_script_runs_and_checks_its_outputs(tiny_pair, st
     for r in runs.values():
         assert r["fresh"]["tokens"] == r["stored"]["tokens"] and r["fresh"]["priced_ms"] > 0
     assert list(storing.glob("memory-*.json"))  # the stored side stored
+
+
+def test_a_full_disk_leaves_the_stored_file_whole(loaded_pair, small_disk, monkeypatch, capsys):
+    import json
+
+    model, _, draft = loaded_pair("llama")
+    monkeypatch.setenv("DFLASH_HOME", str(small_disk.path / "home"))
+    monkeypatch.setenv(stored.ENV, "1")
+    memory = pair_memory(model, draft, 7)
+    lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 2)
+    memory.save()
+    good = memory.path.read_text()
+    small_disk.fill()
+    lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 2)
+    path = memory.path
+    memory.save()  # fails: said once, kept in the process from now on
+    assert memory.path is None and "keeping it in this process" in capsys.readouterr().err
+    assert path.read_text() == good and json.loads(good)["format"] == stored.FORMAT
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    small_disk.free()
