@@ -24,6 +24,16 @@ OPENBLAS_CANDIDATES = (
 )
 
 blas_status = "not-linux"
+OFF_WORDS = ("", "0", "off", "false", "no")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """A yes/no setting from the environment: unset gives ``default``; ``0``, ``off``, ``false``,
+    ``no`` (or empty) turn it off, anything else on."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in OFF_WORDS
 
 
 def _find_openblas() -> str | None:
@@ -42,7 +52,7 @@ def preload_openblas() -> str:
     if platform.system() != "Linux":
         blas_status = "not-linux"
         return blas_status
-    if os.environ.get("DFLASH_NO_OPENBLAS"):
+    if env_flag("DFLASH_NO_OPENBLAS"):
         blas_status = "disabled"
         return blas_status
     if "openblas" in os.environ.get("LD_PRELOAD", ""):

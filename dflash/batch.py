@@ -113,6 +113,11 @@ from .verify_policy import (
 
 # Settings of the whole engine (given to BatchGenerator), not of one request.
 ENGINE_SETTINGS = ("block_size", "policy", "min_confidence", "tree_budget", "prefill_step_size")
+# Where each engine setting is given instead (None: the batched policies, auto and fixed, have none).
+ENGINE_SETTING_HOME = {"block_size": "BatchGenerator(block_size=...)",
+                       "policy": "BatchGenerator(policy=...)",
+                       "prefill_step_size": "BatchGenerator(prefill_chunk=...)",
+                       "min_confidence": None, "tree_budget": None}
 REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).parameters
                          if name not in ("parts", "draft", "tokenizer", "prompt")
                          and name not in ENGINE_SETTINGS)
@@ -219,9 +224,11 @@ class BatchGenerator:
         (checked now: a typed error names the field); its uid."""
         for name, value in settings.items():
             if name in ENGINE_SETTINGS:
+                home = ENGINE_SETTING_HOME[name]
                 raise GenerationConfigError(
-                    f"{name}={value!r}: a setting of the whole batch (BatchGenerator), not of "
-                    "one request")
+                    f"{name}={value!r}: a setting of the whole batch ({home}), not of one request"
+                    if home else f"{name}={value!r}: the batched engine's policies (auto, fixed) "
+                    "do not take it; stream_generate does")
             if name not in REQUEST_SETTINGS:
                 raise GenerationConfigError(f"{name}: not a generation setting")
         request = build_request(self.parts, self.draft, self.tokenizer, prompt,

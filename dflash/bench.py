@@ -416,6 +416,9 @@ def _policy_text(cfg: dict) -> str:
                 f"steps while speculation loses{lookup}{memory})")
     if policy == "fixed":
         return "fixed (the whole block)"
+    if policy == "tree":
+        budget = cfg.get("tree_budget")
+        return f"tree (best-first draft trees of {budget or 'the default'} nodes)"
     return (f"confidence (drafted tokens checked while the drafter's running confidence is at "
             f"least {cfg.get('min_confidence') or 0.0})")
 

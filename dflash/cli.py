@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .backend import env_flag
 from .console import PROG, log, one_line
-from .errors import DFlashError
+from .errors import CLIError, DFlashError
 from .pair import Pair, load_pair
 from .stats import generation_stats
 from .verify_policy import POLICIES
@@ -34,14 +35,6 @@ EXTERNAL = {
     "train": ("dflash.training.commands", "add_train_args", "run_train",
               "train a DFlash drafter for a target model"),
 }
-
-
-class CLIError(Exception):
-    """A problem the user can fix; printed as one line, exit code ``code``."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +120,8 @@ def add_policy_args(g) -> None:
     g.add_argument("--policy", choices=POLICIES, default=None,
                    help="how many drafted tokens each cycle verifies: auto (default: from this "
                         "machine's measured costs; plain steps while speculation loses), fixed "
-                        "(the whole block) or confidence (see --min-confidence); never changes "
-                        "the output")
+                        "(the whole block), confidence (see --min-confidence) or tree (draft "
+                        "trees, see --tree-budget); never changes the output")
     g.add_argument("--tree-budget", type=int, default=None,
                    help="nodes of the draft tree with --policy tree (default 16); with auto, the "
                         "largest tree considered")
@@ -493,7 +486,7 @@ def _external(name: str):
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DFlash block-diffusion speculative decoding on MLX: the target "
-        "model's exact output, several times faster.")
+        "model's exact output in fewer target passes.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -519,7 +512,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/messages (Anthropic), /v1/models, "
                        "/health and /metrics (Prometheus).")
     add_model_args(p)
     add_serve_args(p)
@@ -610,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     name = f"{PROG} {args.command}"
-    debug = bool(os.environ.get("DFLASH_DEBUG"))
+    debug = env_flag("DFLASH_DEBUG")
     try:
         rc = func(args)
         return rc if isinstance(rc, int) else 0  # commands may return what they wrote

@@ -6,6 +6,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from .console import log
+
 DEFAULT_TARGET_NAME = "smollm2-135m-instruct-f32"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT_DIR = Path(__file__).parent / "assets" / "smollm2-135m-dflash-6bit"
@@ -33,7 +35,7 @@ def default_target_path() -> Path:
     if not (out / "config.json").is_file():
         from .gguf_import import import_gguf
 
-        print(f"dflash: converting {GGUF_FILE} into {out} (once)")
+        log(f"converting {GGUF_FILE} into {out} (once)")
         import_gguf(smollm2_gguf(), out)
     return out
 

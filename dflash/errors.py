@@ -73,3 +73,12 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+class CLIError(Exception):
+    """A problem with a command line the user can fix; ``dflash`` prints it as one line and exits
+    with ``code`` (1, or 2 for usage errors)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .backend import env_flag
 from .console import log
 from .tree import DraftTree
 from .verify_policy import AcceptanceModel, NodeCalibration
@@ -68,7 +69,7 @@ def _say_once(key: str, message: str) -> None:
 
 def storing() -> bool:
     """Whether memories are read from and saved to disk (``DFLASH_PAIR_MEMORY``, default on)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_flag(ENV, default=True)
 
 
 class PairMemory:

@@ -11,7 +11,7 @@ an oversize body; a few from each client, and one more client sends only those) 
 4xx the server documents.
 
 Afterwards every completed response is checked against the same request run alone through the
-library (``dflash.generate``, one reference per distinct prompt and ``max_tokens``, computed in
+library (``dflash.model_mlx.generate``, one reference per distinct prompt and ``max_tokens``, computed in
 this process after the load so it does not compete with the server): same text, same number of
 tokens, same finish reason; a stream the client closed must be a prefix of its reference. The
 server's RSS is sampled all along (psutil if installed, else /proc/PID/status); after a settling

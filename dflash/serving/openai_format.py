@@ -27,7 +27,7 @@ def sse(data: dict | str) -> str:
 
 def usage(n_prompt: int, last) -> dict:
     """OpenAI's token counts of a generation, and its acceptance (``dflash``: τ = mean tokens per
-    draft-and-verify cycle, i.e. accepted + 1)."""
+    verify cycle, drafted or the context's continuation, i.e. accepted + 1; plain steps aside)."""
     generated = last.generation_tokens
     return {"prompt_tokens": n_prompt, "completion_tokens": generated,
             "total_tokens": n_prompt + generated,
