@@ -237,6 +237,8 @@ class BatchGenerator:
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
         state = None if self.fallback else \
             new_state(self.parts, self.draft, request, None, None, self.cost)
+        if state is not None:  # its passes are shared with other rows: no price of its own
+            state.policy.stats.priced_ms = None
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),

@@ -157,7 +157,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: list[dict],
-                      greedy: bool) -> dict:
+                      greedy: bool, plain_ms: Callable[[int, int], float] | None = None) -> dict:
     b_time = sum(r["decode_time"] for r in base_runs)
     b_tok = sum(r["decode_tokens"] for r in base_runs)
     d_time = sum(r["decode_time"] for r in runs)
@@ -171,6 +171,11 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
         for j, a in enumerate(r["acceptance_by_position"]):
             acc[j] += a * r["cycles"]
     acc = [a / cycles if cycles else 0.0 for a in acc]
+    # The passes each side took, at the calibrated costs (None where dflash's policy has none).
+    priced = plain_priced = None
+    if plain_ms is not None and all(r.get("priced_ms") is not None for r in runs):
+        priced = sum(r["priced_ms"] for r in runs)
+        plain_priced = sum(plain_ms(n_prompt, r["decode_tokens"]) for r in runs)
     identical = None
     first_diff = None
     if greedy:
@@ -200,6 +205,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
             "acceptance_by_position": acc,
         },
         "speedup": d_tps / b_tps if b_tps > 0 else None,
+        "priced_speedup": plain_priced / priced if priced else None,
         "identical": identical,
         "first_difference": first_diff,
         "_totals": {"b_time": b_time, "b_tok": b_tok, "d_time": d_time, "d_tok": d_tok,
@@ -213,12 +219,18 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
                     "trees": sum(r["tree_cycles"] for r in runs),
                     "lookups": sum(r.get("lookup_cycles", 0) for r in runs),
                     "rows": sum(r["rows_per_pass"] * (r["cycles"] + r["plain_steps"])
-                                for r in runs)},
+                                for r in runs),
+                    "priced": priced, "plain_priced": plain_priced},
     }
 
 
 def _overall(prompts: list[dict]) -> dict:
-    t = {k: sum(p["_totals"][k] for p in prompts) for k in prompts[0]["_totals"]}
+    priced = [(p["_totals"]["plain_priced"], p["_totals"]["priced"]) for p in prompts]
+    priced_speedup = None
+    if all(d for _, d in priced):
+        priced_speedup = sum(b for b, _ in priced) / sum(d for _, d in priced)
+    t = {k: sum(p["_totals"][k] for p in prompts) for k in prompts[0]["_totals"]
+         if k not in ("priced", "plain_priced")}
     b_tps = t["b_tok"] / t["b_time"] if t["b_time"] > 0 else 0.0
     d_tps = t["d_tok"] / t["d_time"] if t["d_time"] > 0 else 0.0
     width = max(len(p["dflash"]["acceptance_by_position"]) for p in prompts)
@@ -241,6 +253,7 @@ def _overall(prompts: list[dict]) -> dict:
         "baseline_tokens_per_s": b_tps,
         "dflash_tokens_per_s": d_tps,
         "speedup": d_tps / b_tps if b_tps > 0 else None,
+        "priced_speedup": priced_speedup,
         "mean_prompt_speedup": statistics.mean(speedups) if speedups else None,
         "baseline_prompt_time": t["b_prompt"],
         "dflash_prompt_time": t["d_prompt"],
@@ -339,12 +352,14 @@ def run_bench(model: str | None = None, draft: str | None = None,
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
                 say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
     elapsed = time.perf_counter() - tic
+    plain_ms = _plain_pricer(pair) if policy_used in ("auto", "tree") else None
 
     result_runs = []
     for bs in sizes:
         per_prompt = []
         for i, item in enumerate(items):
-            p = _summarise_prompt(item, len(encoded[i]), base_runs[i], runs[bs][i], greedy)
+            p = _summarise_prompt(item, len(encoded[i]), base_runs[i], runs[bs][i], greedy,
+                                  plain_ms)
             p["text"] = pair.tokenizer.decode(runs[bs][i][-1]["tokens"])
             per_prompt.append(p)
         overall = _overall(per_prompt)
@@ -374,6 +389,16 @@ def run_bench(model: str | None = None, draft: str | None = None,
     if out is not None:
         write_outputs(result, out, log=say)
     return result
+
+
+def _plain_pricer(pair) -> Callable[[int, int], float]:
+    """``(prompt tokens, tokens) -> ms`` of plain decoding at the calibrated costs (mlx-lm's
+    pipelined one-token steps), the yardstick of the priced speed-up."""
+    from .cost_model import cost_model
+    from .target import target_parts
+
+    cost = cost_model(target_parts(pair.model), pair.draft)
+    return lambda n_prompt, n: sum(cost.step(n_prompt + i) for i in range(n))
 
 
 def _environment(pair) -> dict:
@@ -470,6 +495,10 @@ def markdown(result: dict) -> str:
         busy = o["draft_time"] + o["verify_time"]
         share = f" ({100 * o['draft_time'] / busy:.0f}% drafting)" if busy > 0 else ""
         acc = " · ".join(f"{j + 1}: {a:.2f}" for j, a in enumerate(o["acceptance_by_position"]))
+        if o.get("priced_speedup"):
+            lines += ["", f"Priced speed-up {o['priced_speedup']:.2f}× (the passes each side "
+                      "took, at this machine's calibrated costs: does not depend on what else "
+                      "ran)."]
         lines += ["", f"Draft {o['draft_time']:.2f} s / verify {o['verify_time']:.2f} s{share}; "
                       f"{o.get('verified_per_cycle', 0.0):.1f} drafted tokens verified per cycle; "
                       f"{o.get('rows_per_pass', 0.0):.1f} target rows per pass; "
@@ -486,10 +515,11 @@ def format_summary(result: dict) -> str:
     out = []
     for r in result["runs"]:
         o = r["overall"]
+        priced = f" (priced {o['priced_speedup']:.2f}×)" if o.get("priced_speedup") else ""
         out.append(f"block {r['block_size']}: τ {_f(o['tau'])}, mlx-lm "
                    f"{_f(o['baseline_tokens_per_s'], 1)} tok/s, dflash "
                    f"{_f(o['dflash_tokens_per_s'], 1)} tok/s, speed-up {_f(o['speedup'], 2, '×')}"
-                   f", {o.get('rows_per_pass', 0.0):.1f} rows/pass, "
+                   f"{priced}, {o.get('rows_per_pass', 0.0):.1f} rows/pass, "
                    f"{100 * o.get('plain_share', 0.0):.0f}% plain steps, "
                    f"{100 * o.get('tree_share', 0.0):.0f}% trees, "
                    f"{100 * o.get('lookup_share', 0.0):.0f}% lookups"

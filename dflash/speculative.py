@@ -67,6 +67,8 @@ class DFlashResponse:
     tree_cycles: int = 0  # cycles that verified a draft tree
     lookup_cycles: int = 0  # cycles that verified the context's own continuation (no drafting)
     rows_per_pass: float = 0.0  # target rows per pass, anchor included
+    # The passes chosen at this machine's calibrated costs (auto and tree policies; not batched)
+    priced_ms: float | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
 
 
@@ -615,6 +617,7 @@ def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: 
     stats.plain_steps = state.policy.stats.plain_steps
     stats.tree_cycles = state.policy.stats.tree_cycles
     stats.rows_per_pass = state.policy.stats.rows_per_pass
+    stats.priced_ms = state.policy.stats.priced_ms
     if step.plain:
         return
     stats.cycles += 1

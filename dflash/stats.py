@@ -28,6 +28,7 @@ def generation_stats(r: DFlashResponse, rounded: bool = True) -> dict:
         "tree_cycles": r.tree_cycles,
         "lookup_cycles": r.lookup_cycles,
         "rows_per_pass": rnd(r.rows_per_pass, 3),
+        "priced_ms": None if r.priced_ms is None else rnd(r.priced_ms, 1),
         "reused_prompt_tokens": r.reused_prompt_tokens,
         "acceptance_by_position": [rnd(a, 4) for a in r.acceptance_by_position],
         "prompt_tps": rnd(r.prompt_tps, 2),

@@ -266,6 +266,10 @@ class PolicyStats:
     unverified_probes: int = 0  # drafter passes whose block was not worth verifying
     lookup_cycles: int = 0  # chains of the context's own continuation
     rows_verified: int = 0  # target rows over all passes (anchor included)
+    # The passes chosen, priced by the calibrated cost model (None: no cost model, or a batched
+    # sequence, whose passes are shared): what the choices cost on this machine, whatever else
+    # runs on it, so policies compare on a busy machine.
+    priced_ms: float | None = 0.0
 
     @property
     def rows_per_pass(self) -> float:
@@ -308,7 +312,7 @@ class VerifyPolicy:
         self.backoff = 0  # plain steps still to take
         self.losses = 0  # consecutive losing probes
         self.agreed = False  # a verified cycle of this losing streak accepted a proposal
-        self.stats = PolicyStats()
+        self.stats = PolicyStats(priced_ms=None if cost is None else 0.0)
         self.memory = memory if name == "auto" else None
         if self.memory is not None:
             self.memory.seed(self)
@@ -459,6 +463,7 @@ class VerifyPolicy:
         """Learn from a cycle (``plan is None``: a plain step): ``accepted`` tokens were kept;
         for a tree, along ``path`` (node indices). A ``plain`` plan (nothing verified) counts
         as a losing probe; the plain steps taken instead are recorded one by one."""
+        self._price(plan, draft_rows)
         if plan is None:
             self.stats.plain_steps += 1
             self.stats.rows_verified += 1
@@ -520,6 +525,19 @@ class VerifyPolicy:
             self._lost()
         else:
             self.losses, self.agreed = 0, False
+
+    def _price(self, plan: Plan | None, draft_rows: int) -> None:
+        """Add this cycle's passes at the calibrated costs to ``stats.priced_ms``."""
+        if self.cost is None or self.stats.priced_ms is None:
+            return
+        if plan is None:
+            self.stats.priced_ms += self._plain_ms()
+            return
+        ms = self.cost.draft(draft_rows) if draft_rows else 0.0
+        if not plan.plain:
+            rows = len(plan.tree) if plan.tree is not None else plan.rows + 1
+            ms += self.cost.verify(rows, self.context)
+        self.stats.priced_ms += ms
 
     def _plain_ms(self) -> float:
         """What the plain step that speculation competes with costs: pipelined under greedy

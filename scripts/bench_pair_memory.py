@@ -4,10 +4,10 @@ Each prompt runs as its own `dflash generate --json` process, twice over the pro
 with ``DFLASH_PAIR_MEMORY=0`` (every process starts from the drafter's raw confidence, as before
 the memory was stored), then with it on, after forgetting what was stored (the first process
 starts fresh, each later one from what the earlier ones stored). Greedy: both sides produce the
-same tokens (checked), so what differs is the passes the ``auto`` policy chose; each generation's
-passes are priced by the pair's calibrated cost model (drafter passes, verify passes at their
-mean rows, plain steps), which is deterministic, so the ratio does not depend on what else the
-machine runs. Prints per-domain ratios (prompt ids' prefix before the first ``-``/``/``).
+same tokens (checked), so what differs is the passes the ``auto`` policy chose: each generation's
+``priced_ms`` (its passes at the pair's calibrated costs, summed by the engine) is deterministic,
+so the ratio does not depend on what else the machine runs. Prints per-domain ratios (prompt
+ids' prefix before the first ``-``/``/``).
 
     python scripts/bench_pair_memory.py [--prompts docs/bench/heldout-mix.jsonl] [--out FILE]
 
@@ -25,14 +25,6 @@ import sys
 from pathlib import Path
 
 import dflash  # noqa: F401  (OpenBLAS before mlx)
-
-
-def priced_ms(stats: dict, cost) -> float:
-    """A generation's passes at the calibrated costs (drafter passes at 8 rows)."""
-    drafted = stats["cycles"] - stats["lookup_cycles"]
-    rows = max(1, round(stats["rows_per_pass"]))
-    return (drafted * cost.draft(8) + stats["cycles"] * cost.verify(rows)
-            + stats["plain_steps"] * cost.step())
 
 
 def one_shot(prompt: str, args, store: bool) -> dict:
@@ -59,14 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="JSON with every generation's statistics")
     args = ap.parse_args(argv)
 
-    from dflash.cost_model import cost_model
     from dflash.pair import load_pair
     from dflash.pair_memory import forget_stored
     from dflash.prompts import read_prompts
-    from dflash.target import target_parts
 
     pair = load_pair(args.model, args.draft)
-    cost = cost_model(target_parts(pair.model), pair.draft)
     os.environ["DFLASH_PAIR_MEMORY"] = "1"
     print(f"forgot {forget_stored(pair.model, pair.draft)}", flush=True)
     items = read_prompts(args.prompts)
@@ -75,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         for item in items:
             r = one_shot(item["prompt"], args, store=mode == "stored")
             runs.setdefault(item["id"], {})[mode] = {
-                "tokens": r["tokens"], "priced_ms": priced_ms(r["stats"], cost), **r["stats"]}
+                "tokens": r["tokens"], **r["stats"]}
             print(f"{item['id']} {mode}: {runs[item['id']][mode]['priced_ms']:.0f} ms priced, "
                   f"{r['stats']['cycles']} cycles, {r['stats']['plain_steps']} plain steps",
                   flush=True)

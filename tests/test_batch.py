@@ -96,6 +96,7 @@ def test_greedy_equals_each_request_alone(kind, policy, loaded_pair):
     for p, m, out, why, st in zip(prompts, MAX_TOKENS, tokens, finish, stats):
         assert out == alone(model, p, m)
         assert why == "length" and st.generation_tokens == m and st.prompt_tokens == len(p)
+        assert st.priced_ms is None  # its passes were shared: no price of its own
     assert len(tokens) == len(prompts) and max(progress) == max(PROMPT_LENGTHS)
     assert sampled == 0
 

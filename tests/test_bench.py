@@ -48,6 +48,9 @@ def test_sweep_reports_everything(pair, tmp_path):
     # sizes), alternating order.
     progress = [line for line in logs if line.startswith("[")]
     assert logs[0] == "pair memory: fresh" == "pair memory: " + result["config"]["pair_memory"]
+    for run in result["runs"]:  # auto: the passes priced at the calibrated costs, both sides
+        assert run["overall"]["priced_speedup"] > 0
+        assert all(p["priced_speedup"] > 0 for p in run["prompts"])
     assert len(progress) == 12 and logs[1].startswith("warming up")
     assert "mlx-lm" in progress[0] and "mlx-lm" not in progress[3]
     assert json.loads((tmp_path / "bench.json").read_text())["identical"] is True

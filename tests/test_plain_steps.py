@@ -43,6 +43,8 @@ def cost(verify_ms: list[float], key: str = "t") -> costs.CostModel:
 ROWS_COST = [10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 # A verify pass costs about one step whatever its rows: a right drafter wins.
 FLAT_COST = [10.0, 10.5, 11.0, 12.0, 14.0, 18.0]
+# 9 ms a pass plus 1 ms a row, exactly (the points are on the line): a right drafter wins.
+LINEAR_COST = [9.0 + rows for rows in (1, 2, 4, 8, 16, 32)]
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +332,26 @@ def test_speculation_is_weighed_against_the_plain_step_it_would_really_take():
         policy.record(confident(3)[0][:, 0], plan, 3, None, 4)  # 4 tokens in ~11 ms
         losses[pipelined] = policy.losses
     assert losses == {False: 0, True: 1}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_priced_time_is_every_pass_at_the_calibrated_cost(kind, pairs, machine):
+    """Under LINEAR_COST a target pass of r rows costs 9 + r ms, so the target's share of
+    ``priced_ms`` is 9 ms a pass plus 1 ms a row: (verify cycles + plain steps) passes, and rows
+    = verified proposals + one anchor a pass. The rest is drafter passes (1-1.5 ms each): at most
+    one a verify cycle and one a probe, and every probe that verified nothing began a plain
+    stretch, and every verify cycle but the continuations' (and a last one-token cycle) drafted.
+    A drafter that is wrong for 40 tokens, then right: plain stretches, probes,
+    continuations and accepted chains all priced."""
+    model, tokenizer, draft, prompt, ref = pairs[kind]
+    machine(model, draft, LINEAR_COST)
+    for until in (10**9, len(prompt) + 40):
+        drafter = WrongUntil(draft, prompt + ref + [0] * 32, until=until)
+        s = generate(model, drafter, tokenizer, prompt, max_tokens=N).stats
+        passes = s.cycles + s.plain_steps
+        target_ms = 9.0 * passes + (s.verified_tokens + passes)
+        drafted = s.cycles - s.lookup_cycles - 1  # (a last one-token cycle drafts nothing)
+        assert target_ms + 1.0 * drafted <= s.priced_ms <= target_ms + 1.5 * passes, until
+    s = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=8,
+                 policy="fixed").stats
+    assert s.priced_ms is None  # no cost model behind a fixed policy
