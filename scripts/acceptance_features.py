@@ -15,7 +15,10 @@ and compares predictors offline on those cycles under the machine's calibrated c
 
 And two proposers the target's greedy output lets us score exactly, offline: ``lookup`` (the
 prompt-lookup continuation alone) and ``drafter|lookup`` (the lookup continuation where one
-exists and is longer than what the drafter is expected to get right).
+exists and is longer than what the drafter is expected to get right), and ``drafter+lookup``:
+both chains verified as one tree (shared prefix once, two branches after the fork) where that is
+expected to beat either alone — measured on the held-out mix: 1.668x against 1.654x on GSM8K,
+equal on chat and HumanEval, so the engine verifies one or the other.
 
 Each cycle's choice is the rows that maximise expected tokens per ms (``draft(rows drafted) +
 verify(k + 1)``, plain step when nothing beats it); the calibration is learned online in cycle
@@ -142,7 +145,7 @@ def simulate(data: dict, domain: str | None) -> dict:
 
     results = {}
     for name in ("conf", "conf+prev", "conf+ngram", "oracle", "lookup", "drafter|lookup",
-                 "oracle|lookup"):
+                 "drafter+lookup", "oracle|lookup"):
         tokens = ms = 0.0
         cal = Calibration()
         look_hit, look_tried = np.zeros(16), np.zeros(16)
@@ -182,8 +185,28 @@ def simulate(data: dict, domain: str | None) -> dict:
                     else:
                         for k in range(1, len(look) + 1):
                             options.append((e[k] / v(k + 1) / 1.1, k, "look"))
+                if name == "drafter+lookup" and look and c is not None:
+                    # One tree of both chains: their shared prefix once, then two branches; past
+                    # the fork at most one branch is right (they propose different tokens).
+                    shared = agreed(look, ids)
+                    pd = np.concatenate([[1.0], np.cumprod(probs)])
+                    pls = np.concatenate([[1.0], np.cumprod(pl[: len(look)])])
+                    for kd in range(1, len(ids) + 1):
+                        for kl in range(shared + 1, len(look) + 1):
+                            rows = kd + kl - min(shared, kd)
+                            e = 1.0
+                            for j in range(1, max(kd, kl) + 1):
+                                a_d = pd[j] if j <= kd else 0.0
+                                a_l = pls[j] if j <= kl else 0.0
+                                e += max(a_d, a_l) if j <= shared else min(1.0, a_d + a_l)
+                            options.append((e / (d(drafted) + v(rows + 1)) / 1.1, (kd, kl),
+                                            "both"))
                 rate, k, kind = max(options, key=lambda o: o[0])
-                if kind == "draft":
+                if kind == "both":
+                    kd, kl = k
+                    got = max(min(kd, c["accepted"]), min(kl, look_ok)) + 1
+                    ms += d(len(c["ids"]) + 1) + v(kd + kl - min(agreed(look, c["ids"]), kd) + 1)
+                elif kind == "draft":
                     got = min(k, c["accepted"]) + 1
                     ms += d(len(c["ids"]) + 1) + v(k + 1)
                 elif kind == "look":
@@ -195,7 +218,7 @@ def simulate(data: dict, domain: str | None) -> dict:
                 if c is not None:  # the drafter's calibration learns from the whole-block run
                     cal.update(groups, conf, c["accepted"])
                     prev = c["accepted"]
-                if kind == "look" or (look and "lookup" in name and kind is None):
+                if kind in ("look", "both") or (look and "lookup" in name and kind is None):
                     for j in range(min(len(look), look_ok + 1)):
                         look_tried[j] += 1
                         look_hit[j] += j < look_ok

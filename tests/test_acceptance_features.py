@@ -36,8 +36,8 @@ def test_a_text_that_repeats_itself_pays_for_lookup_not_for_a_wrong_drafter():
     data = {"cost": COST, "prompts": [recorded(history, 10, drafter_right=False)]}
     r = features.simulate(data, None)
     assert r["conf"] == pytest.approx(1.0, abs=0.02)  # the wrong drafter is stepped aside from
-    assert r["lookup"] > 3 and r["drafter|lookup"] > 3
-    assert r["oracle|lookup"] >= r["drafter|lookup"] - 1e-9
+    assert r["lookup"] > 3 and r["drafter|lookup"] > 3 and r["drafter+lookup"] > 3
+    assert r["oracle|lookup"] >= max(r["drafter|lookup"], r["drafter+lookup"]) - 1e-9
 
 
 def test_fresh_text_pays_for_a_right_drafter_not_for_lookup():
