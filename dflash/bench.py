@@ -192,6 +192,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
             "prompt_time": statistics.median(r["prompt_time"] for r in base_runs),
             "decode_time": statistics.median(r["decode_time"] for r in base_runs),
             "generated_tokens": len(base_runs[-1]["tokens"]),
+            "priced_ms": plain_priced,
         },
         "dflash": {
             "tokens_per_s": d_tps,
@@ -203,6 +204,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
             "verify_time": statistics.median(r["verify_time"] for r in runs),
             "peak_memory_gb": max(r["peak_memory_gb"] for r in runs),
             "acceptance_by_position": acc,
+            "priced_ms": priced,
         },
         "speedup": d_tps / b_tps if b_tps > 0 else None,
         "priced_speedup": plain_priced / priced if priced else None,

@@ -50,7 +50,9 @@ def test_sweep_reports_everything(pair, tmp_path):
     assert logs[0] == "pair memory: fresh" == "pair memory: " + result["config"]["pair_memory"]
     for run in result["runs"]:  # auto: the passes priced at the calibrated costs, both sides
         assert run["overall"]["priced_speedup"] > 0
-        assert all(p["priced_speedup"] > 0 for p in run["prompts"])
+        for p in run["prompts"]:
+            assert p["priced_speedup"] == pytest.approx(p["baseline"]["priced_ms"]
+                                                        / p["dflash"]["priced_ms"])
     assert len(progress) == 12 and logs[1].startswith("warming up")
     assert "mlx-lm" in progress[0] and "mlx-lm" not in progress[3]
     assert json.loads((tmp_path / "bench.json").read_text())["identical"] is True
