@@ -14,8 +14,9 @@
 #      budget), stopping at 12 CPU-hours of the process's own CPU time (`--cpu-budget`, carried
 #      across `--resume`), held-out math τ every 250 steps in $OUT/train/metrics.jsonl beside
 #      `cpu_s`: `python scripts/plot_training_curve.py` turns it into the τ-against-CPU-hours plot.
-#   3. `dflash convert --quantize --q-bits 6 --q-group-size 64` and `scripts/train_eval_tau.py`, as
-#      in scripts/reproduce_default_drafter.sh steps 4-5.
+#   3. `python scripts/compare_drafters.py --drafts builtin,$OUT --quantize --work $OUT-compare`:
+#      held-out τ per domain of the built-in drafter, this run's export and its 6-bit / group-64
+#      conversion, side by side (ships if it beats the built-in one on every domain).
 # Rerun this script to continue (it resumes when $OUT/train exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
