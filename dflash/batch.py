@@ -113,7 +113,7 @@ from .verify_policy import (
 
 # Settings of the whole engine (given to BatchGenerator), not of one request.
 ENGINE_SETTINGS = ("block_size", "policy", "min_confidence", "tree_budget", "prefill_step_size")
-# Where each engine setting is given instead (None: the batched policies, auto and fixed, have none).
+# Where each engine setting is given instead (None: BatchGenerator has none).
 ENGINE_SETTING_HOME = {"block_size": "BatchGenerator(block_size=...)",
                        "policy": "BatchGenerator(policy=...)",
                        "prefill_step_size": "BatchGenerator(prefill_chunk=...)",
@@ -227,8 +227,8 @@ class BatchGenerator:
                 home = ENGINE_SETTING_HOME[name]
                 raise GenerationConfigError(
                     f"{name}={value!r}: a setting of the whole batch ({home}), not of one request"
-                    if home else f"{name}={value!r}: the batched engine's policies (auto, fixed) "
-                    "do not take it; stream_generate does")
+                    if home else f"{name}={value!r}: not a setting of BatchGenerator; "
+                    "stream_generate does take it")
             if name not in REQUEST_SETTINGS:
                 raise GenerationConfigError(f"{name}: not a generation setting")
         request = build_request(self.parts, self.draft, self.tokenizer, prompt,

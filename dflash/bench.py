@@ -229,7 +229,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
 def _overall(prompts: list[dict]) -> dict:
     priced = [(p["_totals"]["plain_priced"], p["_totals"]["priced"]) for p in prompts]
     priced_speedup = None
-    if all(d for _, d in priced):
+    if all(d is not None for _, d in priced) and sum(d for _, d in priced) > 0:
         priced_speedup = sum(b for b, _ in priced) / sum(d for _, d in priced)
     t = {k: sum(p["_totals"][k] for p in prompts) for k in prompts[0]["_totals"]
          if k not in ("priced", "plain_priced")}
@@ -320,7 +320,10 @@ def run_bench(model: str | None = None, draft: str | None = None,
     from .pair_memory import pair_memory
 
     # What the auto policy starts from: a fresh calibration, or what earlier runs stored.
-    memory = pair_memory(pair.model, pair.draft, pair.draft.block_size - 1).source
+    # (Sampled runs here are seeded, and a seeded generation never uses the memory: the same
+    # seed must give the same text.)
+    memory = pair_memory(pair.model, pair.draft, pair.draft.block_size - 1).source if greedy \
+        else "not used (seeded sampling)"
     say(f"pair memory: {memory}")
     if warmup:
         say("warming up ...")

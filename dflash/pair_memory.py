@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .backend import env_flag
-from .console import log
+from .console import log, one_line
 from .tree import DraftTree
-from .verify_policy import AcceptanceModel, NodeCalibration
+from .verify_policy import BINS, AcceptanceModel, NodeCalibration
 
 if TYPE_CHECKING:
     from .verify_policy import VerifyPolicy
@@ -109,10 +109,7 @@ class PairMemory:
         """One verified cycle of some generation."""
         with self._lock:
             if conf is not None and len(conf):
-                if len(conf) > self.acceptance.rows:  # a longer block than before
-                    grown = AcceptanceModel(len(conf))
-                    self.acceptance.copy_into(grown)
-                    self.acceptance = grown
+                self.acceptance = _grown(self.acceptance, len(conf))  # a longer block than before
                 self.acceptance.update(conf, verified, accepted)
                 self.acceptance.cap(MEMORY_CAP)
             if tree is not None:
@@ -124,10 +121,10 @@ class PairMemory:
     def observe_lookup(self, conf: np.ndarray, verified: int, accepted: int) -> None:
         """One verified chain of the context's continuation."""
         with self._lock:
-            if len(conf) <= self.lookup.rows:
-                self.lookup.update(conf, verified, accepted)
-                self.lookup.cap(MEMORY_CAP)
-                self._changed()
+            self.lookup = _grown(self.lookup, len(conf))
+            self.lookup.update(conf, verified, accepted)
+            self.lookup.cap(MEMORY_CAP)
+            self._changed()
 
     def streak(self, losses: int, draft_rate: float | None) -> None:
         """The losing streak a generation is in now (0: speculation pays) and what its drafted
@@ -178,40 +175,84 @@ class PairMemory:
                 "draft_rate": self.draft_rate}
 
     def load(self, data: dict) -> bool:
-        """Take what a stored file says (checked first: nothing changes when it is malformed).
-        Returns whether its per-ms parts were kept (measured on this machine)."""
+        """Take what a stored file says, every value checked before anything changes (a
+        ``ValueError`` names what is wrong). Returns whether its per-ms parts were kept
+        (measured on this machine)."""
         from .cost_model import machine_id
 
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this dflash writes {FORMAT!r}")
-        models = []
-        for name in ("acceptance", "lookup"):
-            accepted = np.asarray(data[name]["accepted"], dtype=np.float64)
-            tried = np.asarray(data[name]["tried"], dtype=np.float64)
-            if accepted.ndim != 2 or accepted.shape != tried.shape or \
-                    accepted.shape[1] != self.acceptance.accepted.shape[1]:
-                raise ValueError(f"{name}: counts of shape {accepted.shape} and {tried.shape}")
-            if not (np.isfinite(tried).all() and (0 <= accepted).all() and
-                    (accepted <= tried + 1e-6).all()):
-                raise ValueError(f"{name}: counts out of range")
-            stored = AcceptanceModel(accepted.shape[0])
-            stored.accepted, stored.tried = accepted, tried
-            models.append(stored)
-        hits = {k: float(data["nodes"]["hits"][k]) for k in NodeCalibration.PRIORS}
-        mass = {k: float(data["nodes"]["mass"][k]) for k in NodeCalibration.PRIORS}
-        depths = [int(d) for d in data["depths"]]
+        acceptance, lookup = (_stored_model(data, name) for name in ("acceptance", "lookup"))
+        raw = data.get("nodes")
+        if not isinstance(raw, dict):
+            raise ValueError("nodes: not an object")
+        hits = {k: _number(raw.get("hits"), k, "nodes.hits") for k in NodeCalibration.PRIORS}
+        mass = {k: _number(raw.get("mass"), k, "nodes.mass") for k in NodeCalibration.PRIORS}
+        if any(m <= 0 for m in mass.values()):
+            raise ValueError("nodes.mass: must be > 0")
+        depths = data.get("depths")
+        if not isinstance(depths, list) or not all(
+                isinstance(d, int) and 0 <= d <= acceptance.rows + 1 for d in depths):
+            raise ValueError(f"depths: {str(depths)[:60]} is not a list of verified depths")
         same_machine = data.get("machine") == machine_id()
-        losses, rate = (int(data["losses"]), data["draft_rate"]) if same_machine else (0, None)
+        losses, rate = 0, None
+        if same_machine:
+            losses = data.get("losses")
+            if not isinstance(losses, int) or losses < 0:
+                raise ValueError(f"losses: {losses!r}")
+            if data.get("draft_rate") is not None:
+                rate = _number(data, "draft_rate", "draft_rate")
+        nodes = NodeCalibration()
+        nodes.hits, nodes.mass = hits, mass
+        for stored in (acceptance, lookup, nodes):  # capped like any memory observed here
+            stored.cap(MEMORY_CAP)
         with self._lock:
-            if models[0].rows > self.acceptance.rows:
-                self.acceptance = AcceptanceModel(models[0].rows)
-            models[0].copy_into(self.acceptance)
-            models[1].copy_into(self.lookup)
-            self.nodes.hits, self.nodes.mass = hits, mass
+            self.acceptance = _grown(self.acceptance, acceptance.rows)
+            self.lookup = _grown(self.lookup, lookup.rows)
+            acceptance.copy_into(self.acceptance)
+            lookup.copy_into(self.lookup)
+            self.nodes = nodes
             self.depths.extend(depths)
-            self.losses = losses
-            self.draft_rate = None if rate is None else float(rate)
+            self.losses, self.draft_rate = losses, rate
         return same_machine
+
+
+def _number(where: dict, key: str, name: str) -> float:
+    """A finite, non-negative number ``where[key]``, or a ``ValueError`` naming ``name``."""
+    value = where.get(key) if isinstance(where, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not np.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: {value!r} is not a finite number >= 0")
+    return float(value)
+
+
+def _stored_model(data: dict, name: str) -> AcceptanceModel:
+    """The acceptance counts stored under ``name``, checked."""
+    try:
+        accepted = np.asarray(data[name]["accepted"], dtype=np.float64)
+        tried = np.asarray(data[name]["tried"], dtype=np.float64)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{name}: no counts ({one_line(e)})") from None
+    if accepted.ndim != 2 or accepted.shape != tried.shape or accepted.shape[1] != BINS \
+            or not 1 <= accepted.shape[0] <= 1024:
+        raise ValueError(f"{name}: counts of shape {accepted.shape} and {tried.shape}")
+    if not (np.isfinite(tried).all() and np.isfinite(accepted).all() and (accepted >= 0).all()
+            and (accepted <= tried + 1e-6).all()):
+        raise ValueError(f"{name}: counts out of range")
+    stored = AcceptanceModel(accepted.shape[0])
+    stored.accepted, stored.tried = accepted, tried
+    return stored
+
+
+def _grown(model: AcceptanceModel, rows: int) -> AcceptanceModel:
+    """``model``, or a copy with at least ``rows`` rows (a longer block than before)."""
+    if rows <= model.rows:
+        return model
+    grown = AcceptanceModel(rows)
+    model.copy_into(grown)
+    return grown
 
 
 def fingerprint(module) -> str | None:
@@ -241,10 +282,12 @@ def fingerprint(module) -> str | None:
 
 def memory_file(target, draft) -> Path | None:
     """Where this pair's memory is stored (``None``: not stored, or not a loaded model)."""
+    return _stored_path(target, draft) if storing() else None
+
+
+def _stored_path(target, draft) -> Path | None:
     from .cost_model import calibration_dir
 
-    if not storing():
-        return None
     parts = [fingerprint(target), fingerprint(draft)]
     if None in parts:
         return None
@@ -256,7 +299,7 @@ def _read(memory: PairMemory, path: Path) -> None:
         return
     try:
         same_machine = memory.load(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError, OSError) as e:
+    except (ValueError, OSError) as e:  # load() checks every value: its errors are ValueErrors
         _say_once(f"{path}: {e}", f"pair memory {path} is unreadable ({e}); starting fresh")
         return
     memory.source = f"stored {path.name}" + ("" if same_machine else
@@ -276,10 +319,10 @@ def pair_memory(target, draft, rows: int) -> PairMemory:
         if memory is None:
             path = memory_file(target, draft)
             memory = _memories[key] = PairMemory(rows, path)
-            if path is not None:
-                _read(memory, path)
             for owner in (target, draft):  # an id is reused only after its object is gone
                 weakref.finalize(owner, _forget, key)
+            if path is not None:
+                _read(memory, path)
         return memory
 
 
@@ -302,9 +345,10 @@ def forget_stored(target, draft) -> Path | None:
     key = (id(target), id(draft))
     with _memories_lock:
         memory = _memories.pop(key, None)
-        if memory is not None:
+    if memory is not None:
+        with memory._lock:  # a save under way finishes first, then none follows
             memory.path = None
-    path = memory_file(target, draft)
+    path = _stored_path(target, draft)  # also when storing is off now: it may be on later
     if path is not None and path.is_file():
         path.unlink()
         return path

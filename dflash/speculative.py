@@ -482,6 +482,7 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
             token = int(sampler.sample(processed).item())
         state.fed.append(fed)
         state.commit_taps(taps)
+        state.policy.context = len(state.fed)  # priced at its own context
         state.policy.record(None, None, 0, None, 0)
         out.append(token)
         if more and state.policy.lookup and state.policy.lookup_worth(
@@ -534,7 +535,8 @@ def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan:
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
             prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
     detok = _Detokenizer(tokenizer, request.stops)
-    stats = DFlashResponse(prompt_tokens=len(request.prompt_ids))
+    stats = DFlashResponse(prompt_tokens=len(request.prompt_ids),
+                           priced_ms=state.policy.stats.priced_ms)  # 0.0, or None: not priced
     max_tokens = request.max_tokens
     mx.reset_peak_memory()
 

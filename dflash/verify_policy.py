@@ -476,6 +476,11 @@ class VerifyPolicy:
             self._record_lookup(plan, accepted)
             return
         self.stats.speculative_cycles += 1
+        if plan.tree is None and not plan.rows:
+            # A cycle with nothing proposed (the last token of a generation): nothing about the
+            # drafter to learn, and not a lost bet on it.
+            self.stats.rows_verified += 1
+            return
         if plan.tree is not None:
             self.stats.tree_cycles += 1
             verified = len(plan.tree) - 1
@@ -525,6 +530,8 @@ class VerifyPolicy:
             self._lost()
         else:
             self.losses, self.agreed = 0, False
+            if self.memory is not None:
+                self.memory.streak(0, self.draft_rate)
 
     def _price(self, plan: Plan | None, draft_rows: int) -> None:
         """Add this cycle's passes at the calibrated costs to ``stats.priced_ms``."""

@@ -337,7 +337,7 @@ def test_bad_input_names_the_field(loaded_pair):
     with pytest.raises(GenerationConfigError, match=r"prefill_step_size=64: .*prefill_chunk="):
         engine.insert([1, 2, 3], prefill_step_size=64)
     for name, value in (("min_confidence", 0.5), ("tree_budget", 8)):
-        with pytest.raises(GenerationConfigError, match=f"{name}=.*stream_generate does"):
+        with pytest.raises(GenerationConfigError, match=f"{name}=.*stream_generate does take"):
             engine.insert([1, 2, 3], **{name: value})
     with pytest.raises(GenerationConfigError, match="prompt"):
         engine.insert([])

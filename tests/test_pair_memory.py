@@ -227,14 +227,26 @@ def test_a_corrupt_or_foreign_file_is_said_once_and_replaced(loaded_pair, storin
     path = stored.memory_file(model, draft)
     assert path.parent == storing
     path.parent.mkdir(parents=True)
-    for text in ("not json", json.dumps(stored_copy(PairMemory(7), format="dflash-cost/2")),
-                 json.dumps(stored_copy(PairMemory(7), acceptance={"accepted": [[1.0]],
-                                                                   "tried": [[0.0]]}))):
+    good = PairMemory(7)
+    lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=good), 3)
+    bad = ["not json", "[]", "null", json.dumps(stored_copy(good, format="dflash-cost/2")),
+           json.dumps(stored_copy(good, acceptance={"accepted": [[1.0]], "tried": [[0.0]]}))]
+    # Values that parse but would poison or crash the policy: each is refused as a whole.
+    for key, value in [("depths", [1e309]), ("depths", [-1]), ("losses", -2), ("losses", 1.5),
+                       ("draft_rate", "fast"), ("draft_rate", float("nan")),
+                       ("nodes", {"hits": {"sibling": 1.0, "branch": 0.3},
+                                  "mass": {"sibling": 0.0, "branch": 1.0}}),
+                       ("nodes", {"hits": {"sibling": float("nan"), "branch": 0.3},
+                                  "mass": {"sibling": 1.0, "branch": 1.0}}),
+                       ("lookup", {"accepted": [[float("nan")] * 10], "tried": [[1.0] * 10]})]:
+        bad.append(json.dumps(stored_copy(good, **{key: value})))  # NaN/Infinity: JSON's extension
+    for text in bad:
         path.write_text(text)
         stored.forget_pairs()
-        memory = pair_memory(model, draft, 7)
-        assert memory.source == "fresh" and not memory.acceptance.tried.any()
-        assert str(path) in capsys.readouterr().err
+        memory = pair_memory(model, draft, 7)  # no exception: said, and started fresh
+        assert memory.source == "fresh" and not memory.acceptance.tried.any(), text
+        assert memory.losses == 0 and not memory.depths and memory.draft_rate is None, text
+        assert str(path) in capsys.readouterr().err, text
     lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 3)
     stored.save_all()
     reread = PairMemory(7)
@@ -315,3 +327,48 @@ def test_a_full_disk_leaves_the_stored_file_whole(loaded_pair, small_disk, monke
     assert path.read_text() == good and json.loads(good)["format"] == stored.FORMAT
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     small_disk.free()
+
+
+def test_a_stored_memory_keeps_longer_blocks_than_this_process_drafts():
+    """A pair that verified continuations of 15 rows keeps them when the next process drafts
+    blocks of 4 (nothing stored is cut), and its continuation calibration grows with the chains."""
+    import json
+
+    long = PairMemory(15)
+    long.observe_lookup(np.full(12, 0.7), 12, 9)
+    short = PairMemory(3)
+    short.load(json.loads(json.dumps(long._to_dict())))
+    assert short.lookup.rows == 15 and short.lookup.tried.sum() == long.lookup.tried.sum()
+    short.observe_lookup(np.full(20, 0.7), 20, 18)
+    assert short.lookup.rows == 20 and short.lookup.tried[17].sum() > 0
+
+
+def test_a_cycle_with_nothing_proposed_teaches_nothing():
+    """The last token of a generation is a one-row pass with no proposal: counted, priced, but
+    neither a verified depth nor a lost bet on the drafter (which the next generation inherits)."""
+    from dflash.verify_policy import Plan
+
+    memory, flat = PairMemory(15), cost(FLAT_COST)
+    policy = VerifyPolicy("auto", 16, flat, memory=memory)
+    win(policy, 2, rows=3)
+    depths = list(policy.depths)
+    assert policy.losses == memory.losses == 0
+    policy.record(None, Plan(0), 0, None, 1)
+    assert list(policy.depths) == list(memory.depths) == depths
+    assert policy.losses == memory.losses == 0
+    assert policy.stats.speculative_cycles == 3
+    assert policy.stats.priced_ms == pytest.approx(2 * (flat.draft(4) + flat.verify(4, 128))
+                                                   + flat.verify(1, 128))
+
+
+def test_a_continuation_that_ends_a_losing_streak_is_remembered():
+    from dflash.verify_policy import Plan
+
+    memory = PairMemory(15)
+    policy = VerifyPolicy("auto", 16, cost(FLAT_COST), memory=memory)
+    lose(policy, 3)
+    assert memory.losses == policy.losses > 0
+    policy.plain_stretch(128, 0)
+    plan = Plan(5, lookup=[1, 2, 3, 4, 5], order=3, drafter_value=1.0)  # beat a drafted block
+    policy.record(None, plan, 5, None, 4)
+    assert policy.losses == 0 and memory.losses == 0

@@ -352,6 +352,8 @@ def test_the_priced_time_is_every_pass_at_the_calibrated_cost(kind, pairs, machi
         target_ms = 9.0 * passes + (s.verified_tokens + passes)
         drafted = s.cycles - s.lookup_cycles - 1  # (a last one-token cycle drafts nothing)
         assert target_ms + 1.0 * drafted <= s.priced_ms <= target_ms + 1.5 * passes, until
+    one = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=1)
+    assert one.stats.priced_ms == 0.0  # the prefill's token only: no pass priced, yet priced
     s = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=8,
                  policy="fixed").stats
     assert s.priced_ms is None  # no cost model behind a fixed policy
