@@ -8,7 +8,7 @@ server learns once; but the model card's snippet, ``dflash generate`` and every 
 generation in a fresh process. Measured on the built-in pair's 16 held-out prompts (greedy,
 block 16, 96 tokens; ``docs/bench/pair-memory.md``), each prompt's passes priced by the
 calibrated cost model: starting every prompt fresh costs 1.16x the stored memory's time on
-GSM8K, 1.05x on chat, 1.01x on HumanEval, 1.08x overall. So the memory is saved — at most every
+GSM8K, 1.06x on chat, 1.04x on HumanEval, 1.09x overall. So the memory is saved — at most every
 ``SAVE_EVERY_S`` while generations run and at exit — and read by the pair's first generation in
 the next process.
 
