@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from .console import log
+from .console import log, say_once
 from .errors import MissingDependencyError
 
 FORMAT = "dflash-cost/2"
@@ -49,13 +49,6 @@ MAX_AGE_DAYS = 30  # drivers, thermals and background load change: re-measure no
 
 _memory: dict[str, CostModel] = {}
 _lock = threading.Lock()
-_said: set[str] = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _said:
-        _said.add(key)
-        log(message)
 
 
 def _interp(x: float, xs: list[float], ys: list[float]) -> float:
@@ -269,14 +262,14 @@ def _read(path: Path, key: str) -> CostModel | None:
         if model.key != key or len(model.verify_ms) != len(model.contexts):
             raise ValueError("not a cost model for this pair")
     except (ValueError, TypeError, OSError) as e:
-        _say_once(str(path), f"calibration {path} is unreadable ({e}); measuring again")
+        say_once(str(path), f"calibration {path} is unreadable ({e}); measuring again")
         return None
     age_days = (time.time() - os.path.getmtime(path)) / 86400
     if age_days > MAX_AGE_DAYS:
-        _say_once(str(path), f"calibration {path} is {age_days:.0f} days old; measuring again")
+        say_once(str(path), f"calibration {path} is {age_days:.0f} days old; measuring again")
         return None
     if model.machine != machine_id():
-        _say_once(str(path), f"calibration {path} was measured on another machine or MLX "
+        say_once(str(path), f"calibration {path} was measured on another machine or MLX "
                   "version; measuring again")
         return None
     return model
@@ -299,7 +292,7 @@ def cost_model(parts, draft, refresh: bool = False, quiet: bool = False) -> Cost
                 tmp.write_text(to_json(model))
                 os.replace(tmp, path)
             except OSError as e:
-                _say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
+                say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
                           "keeping it in memory for this process")
         _memory[key] = model
         return model

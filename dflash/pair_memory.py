@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .backend import env_flag
-from .console import log, one_line
+from .console import one_line, say_once
 from .tree import DraftTree
 from .verify_policy import BINS, AcceptanceModel, NodeCalibration
 
@@ -58,13 +58,6 @@ INHERITED_LOSSES = 3
 SAVE_EVERY_S = 2.0  # a save costs ~1 ms; a killed process loses at most this much of what it learned
 SAMPLES_PER_ARRAY = 64  # values of each parameter hashed into the pair's fingerprint
 
-_said: set[str] = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _said:
-        _said.add(key)
-        log(message)
 
 
 def storing() -> bool:
@@ -156,8 +149,9 @@ class PairMemory:
             os.replace(tmp, path)
             self._dirty = False
         except OSError as e:
-            _say_once(f"unwritable {path.parent}", f"cannot save the pair's memory in {path.parent} ({e}); "
-                      "keeping it in this process")
+            say_once(f"unwritable {path.parent}",
+                     f"cannot save the pair's memory in {path.parent} ({e}); keeping it in this "
+                     "process")
             self.path = None
             with contextlib.suppress(OSError):  # nothing half-written stays behind
                 tmp.unlink()
@@ -300,7 +294,7 @@ def _read(memory: PairMemory, path: Path) -> None:
     try:
         same_machine = memory.load(json.loads(path.read_text()))
     except (ValueError, OSError) as e:  # load() checks every value: its errors are ValueErrors
-        _say_once(f"{path}: {e}", f"pair memory {path} is unreadable ({e}); starting fresh")
+        say_once(f"{path}: {e}", f"pair memory {path} is unreadable ({e}); starting fresh")
         return
     memory.source = f"stored {path.name}" + ("" if same_machine else
                                              " (another machine: acceptance only)")

@@ -13,6 +13,7 @@ import os
 import pytest
 from test_engine import chat_prompt, reference
 
+from dflash import console
 from dflash import cost_model as costs
 from dflash.errors import GenerationConfigError
 from dflash.model_mlx import generate, stream_generate
@@ -35,7 +36,7 @@ def home(qwen3, tmp_path, monkeypatch):
     """A fresh DFLASH_HOME, nothing in memory, nothing said yet."""
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(costs, "_memory", {})
-    monkeypatch.setattr(costs, "_said", set())
+    monkeypatch.setattr(console, "_said", set())
     return tmp_path / "home"
 
 
