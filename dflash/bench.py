@@ -453,13 +453,26 @@ def _policy_text(cfg: dict) -> str:
             f"least {cfg.get('min_confidence') or 0.0})")
 
 
+def shown_path(path: str) -> str:
+    """``path`` as a report shows it: inside the package as ``dflash/...``, inside the cache as
+    ``$DFLASH_HOME/...`` (reports are committed and read on other machines), else as given."""
+    from .default_pair import cache_dir
+
+    resolved = Path(path).expanduser().resolve()
+    for base, name in ((Path(__file__).parent, "dflash"), (cache_dir(), "$DFLASH_HOME")):
+        base = base.expanduser().resolve()
+        if resolved == base or base in resolved.parents:
+            return str(Path(name) / resolved.relative_to(base))
+    return str(path)
+
+
 def markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [
         "# dflash bench",
         "",
-        f"- target: `{cfg['model']}`",
-        f"- drafter: `{cfg['draft']}`",
+        f"- target: `{shown_path(cfg['model'])}`",
+        f"- drafter: `{shown_path(cfg['draft'])}`",
         f"- prompts: {cfg['prompts']} ({cfg['n_prompts']}), max tokens {cfg['max_tokens']}, "
         f"temperature {cfg['temperature']}, repeats {cfg['repeats']}"
         f"{', after a warm-up' if cfg['warmup'] else ''}",

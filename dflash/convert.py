@@ -563,6 +563,9 @@ def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path)
     q = report["quantization"]
     recipe = report["recipe"]
     source = report["source"]
+    if Path(source).expanduser().exists():
+        # a local folder: its name, not this machine's path (the card travels with the weights)
+        source = src.name
     targets = _compatible_targets(raw, src, source)
     if q is None:
         q_line, short = f"none ({report['dtype']} weights)", f"{report['dtype']}"

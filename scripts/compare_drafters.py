@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     for item in items:
         domains.setdefault(domain_of(item["id"]), []).append(encode_prompt(tokenizer, item))
 
-    drafts = [(name, resolve(name)) for name in args.drafts.split(",")]
+    from dflash.bench import shown_path
+
+    # named as reports show them ($DFLASH_HOME/..., not this machine's paths)
+    drafts = [(name if name == "builtin" else shown_path(name), resolve(name))
+              for name in args.drafts.split(",")]
     if args.quantize:
         work = Path(args.work)
         work.mkdir(parents=True, exist_ok=True)

@@ -131,3 +131,17 @@ def test_builtin_prompts_and_inputs(tmp_path):
         bench.run_bench(prompts=tmp_path / "missing.jsonl")
     with pytest.raises(ValueError):
         bench.run_bench(prompts=path, max_tokens=0)
+
+
+def test_reports_show_portable_paths(tmp_path, monkeypatch):
+    """bench.md is committed and read elsewhere: the built-in drafter and anything in the cache
+    are shown relative to the package and ``$DFLASH_HOME``, not by this machine's paths."""
+    from dflash.default_pair import default_draft_path
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    assert bench.shown_path(str(default_draft_path())) == \
+        "dflash/assets/" + default_draft_path().name
+    cached = tmp_path / "home" / "smollm2-135m-instruct-f32"
+    assert bench.shown_path(str(cached)) == "$DFLASH_HOME/smollm2-135m-instruct-f32"
+    elsewhere = tmp_path / "elsewhere" / "drafter"
+    assert bench.shown_path(str(elsewhere)) == str(elsewhere)

@@ -162,6 +162,9 @@ def test_unquantized_conversion_and_dtype(hf, probe, tmp_path):
     a, _ = block_outputs(load_draft(hf), probe)
     b, _ = block_outputs(load_draft(tmp_path / "bf16"), probe)
     assert mx.array_equal(a, b).item()
+    # the card names a local source by its folder, never by this machine's path
+    card = (tmp_path / "bf16" / "README.md").read_text()
+    assert f"DFlash drafter `{Path(hf).name}`" in card and str(Path(hf).parent) not in card
 
     convert(hf, tmp_path / "q32", quantize=True, q_bits=4, dtype="float32")
     tensors = files_tensors(tmp_path / "q32")
