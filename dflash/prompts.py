@@ -7,11 +7,18 @@ GSM8K (``question``), HumanEval (``prompt`` + ``task_id``), Alpaca-style (``inst
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .errors import PromptFileError
 
 PROMPT_FIELDS = ("messages", "prompt", "question", "instruction")
+
+
+def prompt_domain(prompt_id: str) -> str:
+    """The domain a prompt id names: its prefix before the first ``-`` or ``/`` (``gsm8k-3``,
+    ``chat-0``, ``HumanEval/7``; ids from line numbers name the file's stem)."""
+    return re.split(r"[-/]", prompt_id)[0]
 
 
 def _check_messages(messages, where: str) -> list[dict]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash.pair import load_pair
     from dflash.pair_memory import forget_stored
-    from dflash.prompts import read_prompts
+    from dflash.prompts import prompt_domain, read_prompts
 
     pair = load_pair(args.model, args.draft)
     os.environ["DFLASH_PAIR_MEMORY"] = "1"
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     same = all(r["fresh"]["tokens"] == r["stored"]["tokens"] for r in runs.values())
     domains: dict[str, list[str]] = {}
     for key in runs:
-        domains.setdefault(re.split(r"[-/]", key)[0], []).append(key)
+        domains.setdefault(prompt_domain(key), []).append(key)
     print(f"\noutputs identical: {same}\n\n| prompts | fresh (ms) | stored (ms) | fresh / stored |"
           "\n|---|---:|---:|---:|")
     for name, keys in [*domains.items(), ("all", list(runs))]:

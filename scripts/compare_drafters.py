@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 import dflash  # noqa: F401  (OpenBLAS before mlx)
-
-
-def domain_of(prompt_id: str) -> str:
-    return re.split(r"[-/]", prompt_id)[0]
 
 
 def resolve(name: str) -> str:
@@ -68,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.acceptance import measure_tau
     from dflash.drafter import load_draft
     from dflash.model_mlx import load
-    from dflash.prompts import encode_prompt, read_prompts
+    from dflash.prompts import encode_prompt, prompt_domain, read_prompts
 
     if args.target is None:
         from dflash.default_pair import default_target_path
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     items = read_prompts(args.prompts)
     domains: dict[str, list[list[int]]] = {}
     for item in items:
-        domains.setdefault(domain_of(item["id"]), []).append(encode_prompt(tokenizer, item))
+        domains.setdefault(prompt_domain(item["id"]), []).append(encode_prompt(tokenizer, item))
 
     from dflash.bench import shown_path
 

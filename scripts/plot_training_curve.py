@@ -25,8 +25,9 @@ import math
 from pathlib import Path
 
 
-def load_evaluations(path: Path, key: str) -> list[tuple[float, int, float]]:
-    """(CPU-hours of training, step, τ) of every record that carries the held-out τ ``key``."""
+def load_evaluations(path: Path, key: str) -> list[tuple[float, int, float, dict[str, float]]]:
+    """(CPU-hours of training, step, τ, τ by domain) of every record that carries the held-out τ
+    ``key`` (``dflash train`` writes ``KEY_<domain>`` beside it when the prompts span domains)."""
     points = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -36,7 +37,9 @@ def load_evaluations(path: Path, key: str) -> list[tuple[float, int, float]]:
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON ({e})") from None
         if key in rec and "cpu_s" in rec:
-            points.append((rec["cpu_s"] / 3600.0, rec["step"], float(rec[key])))
+            domains = {k[len(key) + 1:]: float(v) for k, v in rec.items()
+                       if k.startswith(key + "_")}
+            points.append((rec["cpu_s"] / 3600.0, rec["step"], float(rec[key]), domains))
     return points
 
 
@@ -74,9 +77,10 @@ def main() -> None:
     evals = load_evaluations(a.metrics, a.key)
     if not evals:
         raise SystemExit(f"{a.metrics}: no record with {a.key!r} and cpu_s (is --eval-every set?)")
-    xs = [h + a.data_cpu_hours for h, _, _ in evals]
-    taus = [t for _, _, t in evals]
-    fit = fit_log([(h + a.data_cpu_hours, t) for h, _, t in evals if h >= a.fit_from_hours])
+    xs = [h + a.data_cpu_hours for h, *_ in evals]
+    taus = [t for _, _, t, _ in evals]
+    domains = list(dict.fromkeys(d for *_, by in evals for d in by))
+    fit = fit_log([(h + a.data_cpu_hours, t) for h, _, t, _ in evals if h >= a.fit_from_hours])
 
     lines = [f"# Held-out τ against CPU-hours ({a.metrics.parent.parent.name or a.metrics.stem})", "",
              f"`python scripts/plot_training_curve.py {a.metrics} --data-cpu-hours "
@@ -84,8 +88,11 @@ def main() -> None:
              f"CPU-hours = the data's {a.data_cpu_hours:.2f} CPU-h (datagen, magpie) + the "
              "training process's CPU time (`cpu_s`, carried across `--resume`). τ: held-out "
              f"`{a.key}` through the engine, greedy, whole blocks verified.", "",
-             "| step | training CPU-h | pipeline CPU-h | held-out τ |", "|---:|---:|---:|---:|"]
-    lines += [f"| {s} | {h:.2f} | {h + a.data_cpu_hours:.2f} | {t:.3f} |" for h, s, t in evals]
+             "| step | training CPU-h | pipeline CPU-h | held-out τ |"
+             + "".join(f" {d} |" for d in domains), "|---:|---:|---:|---:|" + "---:|" * len(domains)]
+    lines += [f"| {s} | {h:.2f} | {h + a.data_cpu_hours:.2f} | {t:.3f} |"
+              + "".join(f" {by[d]:.3f} |" if d in by else " – |" for d in domains)
+              for h, s, t, by in evals]
     first = next((x for x, t in zip(xs, taus) if t >= a.reference_tau), None)
     lines += ["", f"Old pipeline: τ {a.reference_tau} after ≥ {a.reference_cpu_hours} CPU-h. "
               + (f"This run first reached it at {first:.2f} CPU-h "
@@ -115,6 +122,9 @@ def main() -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot(xs, taus, "o-", label=f"held-out {a.key}")
+    for d in domains:
+        pts = [(x, by[d]) for x, (*_, by) in zip(xs, evals) if d in by]
+        ax.plot([x for x, _ in pts], [t for _, t in pts], ".--", lw=1, label=d)
     ax.axhline(a.reference_tau, color="grey", ls="--", lw=1,
                label=f"old drafter τ {a.reference_tau} (≥ {a.reference_cpu_hours} CPU-h)")
     if fit:

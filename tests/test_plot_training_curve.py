@@ -46,6 +46,22 @@ def test_table_fit_and_plot(tmp_path):
     assert (tmp_path / "docs" / "curve.png").stat().st_size > 1000
 
 
+def test_per_domain_columns(tmp_path):
+    """Records with ``tau_b16_<domain>`` (held-out prompts of several domains) get a column each;
+    a domain a record lacks shows a dash; the fit stays on ``tau_b16``."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": 10, "cpu_s": 3600, "tau_b16": 1.5, "tau_b16_gsm8k": 1.8},
+               {"step": 20, "cpu_s": 7200, "tau_b16": 1.6, "tau_b16_gsm8k": 1.9,
+                "tau_b16_chat": 1.25}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = run(metrics, "--out", tmp_path / "curve")
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "curve.md").read_text()
+    assert "| step | training CPU-h | pipeline CPU-h | held-out τ | gsm8k | chat |" in md
+    assert "| 10 | 1.00 | 1.00 | 1.500 | 1.800 | – |" in md
+    assert "| 20 | 2.00 | 2.00 | 1.600 | 1.900 | 1.250 |" in md
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"step": 1, "cpu_s": 3}\n', "no record with 'tau_b16'"),
     ('{"step": 1, "cpu_s": 3}\nnot json\n', "metrics.jsonl:2: not JSON"),

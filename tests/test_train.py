@@ -26,6 +26,7 @@ from dflash.drafter import load_draft
 from dflash.errors import DFlashError, TrainConfigError, TrainingDataError, UnsupportedTargetError
 from dflash.training.commands import add_train_args, run_train
 from dflash.training.data import read_samples
+from dflash.training.evaluation import engine_tau
 from dflash.training.initialise import init_from_target
 from dflash.training.loss import block_loss, draft_hidden
 from dflash.training.options import TrainOptions, from_args
@@ -299,6 +300,37 @@ def test_trained_drafter_accepts_through_the_engine(pattern, tmp_path):
     random_draft = Trainer(opts(pattern, tmp_path / "rand", steps=1)).draft
     base = measure_tau(tr.model, tr.tokenizer, random_draft, pattern["held_out"], 8, 32)
     assert base["tau"] < 1.3, base
+
+
+
+def test_held_out_tau_during_training_is_measured_per_domain(pattern, tmp_path):
+    """--eval-prompts with several domains (the id's prefix): τ of each, and ``tau_b4`` over
+    every cycle of all of them — what one measurement over all the prompts gives."""
+    prompts = tmp_path / "held-out.jsonl"
+    items = [("alpha-0", "a b c"), ("beta-0", "x y"), ("alpha-1", "c b a"), ("beta-1", "y x z"),
+             ("alpha-2", "never read: --eval-n 2 takes the first two of each domain")]
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in items))
+    tr = Trainer(opts(pattern, tmp_path / "d", steps=20, eval_every=10, soft_topk=8,
+                      eval_prompts=str(prompts), eval_n=2, eval_block_sizes="4",
+                      eval_max_tokens=12))
+    assert {d: len(ids) for d, ids in tr.eval_prompts.items()} == {"alpha": 2, "beta": 2}
+    # the pattern target's tokenizer knows more ids than its head: measure on its own prompts
+    held_out = pattern["held_out"]
+    tr.eval_prompts = {"alpha": held_out[:2], "beta": held_out[2:]}
+    tr.run()
+    records = [json.loads(line) for line in
+               (tmp_path / "d" / "train" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "tau_b4" in r]
+    assert [r["step"] for r in evaluated] == [10, 20]
+    last = evaluated[-1]
+    assert min(last["tau_b4_alpha"], last["tau_b4_beta"]) <= last["tau_b4"] <= \
+        max(last["tau_b4_alpha"], last["tau_b4_beta"])
+    together = engine_tau(tr.model, tr.tokenizer, tr.draft,
+                          {"all": held_out}, "4", 12,
+                          tr._draft_vocab())
+    assert together["tau_b4"] == last["tau_b4"]
+    assert together["acc_pos_b4"] == pytest.approx(last["acc_pos_b4"], abs=2e-3)
+    assert "tau_b4_all" not in together  # one domain: no per-domain keys
 
 
 @pytest.mark.slow

@@ -14,16 +14,23 @@ import mlx.core as mx
 import numpy as np
 
 from ..acceptance import measure_tau
-from ..prompts import encode_prompt, read_prompts
+from ..prompts import encode_prompt, prompt_domain, read_prompts
 from .batches import Batch
 from .data import Sample
 from .loss import block_loss, block_stats
 from .vocab import TrainingVocab
 
 
-def load_eval_prompts(path: str | Path, tokenizer, n: int) -> list[list[int]]:
-    """Token ids of the first ``n`` prompts of a prompt file (chat template applied)."""
-    return [encode_prompt(tokenizer, it) for it in read_prompts(path)[:n]]
+def load_eval_prompts(path: str | Path, tokenizer, n: int) -> dict[str, list[list[int]]]:
+    """Token ids of the first ``n`` prompts of each domain of a prompt file (chat template
+    applied), by domain (:func:`~dflash.prompts.prompt_domain`, in the file's order): a mixed
+    held-out file measures every domain, not only the first one's."""
+    domains: dict[str, list[list[int]]] = {}
+    for item in read_prompts(path):
+        kept = domains.setdefault(prompt_domain(item["id"]), [])
+        if len(kept) < n:
+            kept.append(encode_prompt(tokenizer, item))
+    return domains
 
 
 def validation_metrics(draft, embed, vocab: TrainingVocab, samples: list[Sample],
@@ -52,16 +59,32 @@ def validation_metrics(draft, embed, vocab: TrainingVocab, samples: list[Sample]
     return {f"val_{k}": v / len(samples) for k, v in tot.items()}
 
 
-def engine_tau(model, tokenizer, draft, prompts: list[list[int]], block_sizes: str,
+def engine_tau(model, tokenizer, draft, prompts: dict[str, list[list[int]]], block_sizes: str,
                max_tokens: int, draft_vocab: list[int] | None) -> dict:
-    """τ and acceptance by position per block size (``"16,8"``), proposing from ``draft_vocab``."""
+    """τ and acceptance by position per block size (``"16,8"``), proposing from ``draft_vocab``.
+
+    ``prompts`` by domain: ``tau_b16`` counts every cycle of every domain; with several domains
+    each also has its own, ``tau_b16_<domain>`` (a drafter can gain on chat and lose on math).
+    """
     out = {}
     draft.eval()
     draft.config.draft_vocab_ids = draft_vocab  # measure what is exported
     for bs in [int(b) for b in str(block_sizes).split(",") if b]:
-        r = measure_tau(model, tokenizer, draft, prompts, bs, max_tokens)
-        out[f"tau_b{bs}"] = round(r["tau"], 3)
-        out[f"acc_pos_b{bs}"] = r["acceptance_by_position"][:8]
+        emitted = cycles = 0.0
+        accepted = np.zeros(8)
+        for domain, ids in prompts.items():
+            r = measure_tau(model, tokenizer, draft, ids, bs, max_tokens)
+            emitted += r["tau"] * r["cycles"]
+            cycles += r["cycles"]
+            acc = np.zeros(8)
+            head = r["acceptance_by_position"][:8]
+            acc[:len(head)] = head
+            accepted += acc * r["cycles"]
+            if len(prompts) > 1:
+                out[f"tau_b{bs}_{domain}"] = round(r["tau"], 3)
+        out[f"tau_b{bs}"] = round(emitted / cycles, 3) if cycles else 0.0
+        width = min(8, bs - 1)
+        out[f"acc_pos_b{bs}"] = [round(float(a), 3) for a in accepted[:width] / max(cycles, 1)]
     draft.config.draft_vocab_ids = None
     draft.train()
     return out

@@ -115,8 +115,10 @@ class TrainOptions:
     keep_checkpoints: int = option(2)
     eval_every: int = option(
         0, "steps between evaluations (validation loss, and τ with --eval-prompts)")
-    eval_prompts: str | None = option(None, "held-out prompts JSONL for τ")
-    eval_n: int = option(4)
+    eval_prompts: str | None = option(
+        None, "held-out prompts JSONL for τ (per domain too when ids span several: gsm8k-0, "
+        "chat-0, ...)")
+    eval_n: int = option(4, "held-out prompts of each domain")
     eval_max_tokens: int = option(128)
     eval_block_sizes: str = option("16")
     seed: int = option(0)
