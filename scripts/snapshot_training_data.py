@@ -34,16 +34,30 @@ def records(root: Path) -> dict[str, list[dict]]:
     return {d: [recs[k] for k in sorted(recs)] for d, recs in by_domain.items()}
 
 
-def main() -> None:
+def is_records(gz: Path) -> bool:
+    """A snapshot of generated records (not a prompt file kept in the same folder)."""
+    with gzip.open(gz, "rt") as f:
+        first = f.readline()
+    try:
+        return "response_ids" in json.loads(first)
+    except json.JSONDecodeError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path)
     ap.add_argument("--name", default="smollm2")
+    ap.add_argument("--store", type=Path, default=None,
+                    help="where the snapshot lives (default datasets/NAME in the repository)")
     ap.add_argument("--restore", action="store_true")
-    args = ap.parse_args()
-    store = REPO / "datasets" / args.name
+    args = ap.parse_args(argv)
+    store = args.store or REPO / "datasets" / args.name
     if args.restore:
         for gz in sorted(store.glob("*.jsonl.gz")):
             domain = gz.name.removesuffix(".jsonl.gz")
+            if not is_records(gz):
+                continue  # e.g. the magpie prompt files kept beside the records
             out = args.root / f"gen-{domain}" / "gen-restored.jsonl"
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".tmp")
@@ -55,9 +69,9 @@ def main() -> None:
     for domain, recs in records(args.root).items():
         path = store / f"{domain}.jsonl.gz"
         tmp = path.with_suffix(".tmp")
-        with gzip.open(tmp, "wt") as f:
-            for rec in recs:
-                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        text = "".join(json.dumps(rec, separators=(",", ":")) + "\n" for rec in recs)
+        # mtime 0: the same records give the same bytes (no churn in the repository)
+        tmp.write_bytes(gzip.compress(text.encode(), mtime=0))
         tmp.replace(path)
         print(f"{len(recs)} {domain} records -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
