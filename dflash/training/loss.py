@@ -22,13 +22,23 @@ def draft_hidden(draft, context_feats, seq_index, block_embeds, anchors, masks):
     ``seq_index (n,)``: the sequence of each block; ``anchors (n,)``: each block's start position
     (its RoPE offset); ``masks``: one ``(n, 1, bs, T+bs)`` visibility per drafter layer.
     Calls the drafter's own layers, exactly as :meth:`DFlashDraftModel.__call__` does for one block;
-    each block is its own batch row, so DFlash2's convolution never reaches across blocks.
+    each block is its own batch row, so DFlash2's convolution never reaches across blocks. Blocks
+    grouped by sequence share its context keys/values
+    (:func:`~dflash.drafter.shared_context_attention`); ungrouped ones get a copy each.
     """
     context = draft.project_context(context_feats)
     x = block_embeds * draft.config.input_embedding_scale  # DFlash2's scale (1 for v1)
+    seq = np.asarray(seq_index)
+    # Blocks grouped by sequence (as make_batch lays them out) share their sequence's context
+    # keys/values instead of each gathering a copy (~2x faster per layer, forward + backward).
+    rows = (np.bincount(seq, minlength=context.shape[0]).tolist()
+            if len(seq) and np.all(np.diff(seq) >= 0) else None)
     for layer, mask in zip(draft.layers, masks):
         ctx_keys, ctx_values = layer.self_attn.context_kv(context, 0)
-        x = layer(x, ctx_keys[seq_index], ctx_values[seq_index], anchors, mask)
+        if rows is None:
+            x = layer(x, ctx_keys[seq_index], ctx_values[seq_index], anchors, mask)
+        else:
+            x = layer(x, ctx_keys, ctx_values, anchors, mask, rows)
     return draft.norm(x)
 
 
