@@ -32,9 +32,12 @@ RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
 # The cosine schedule should reach ~0 where the CPU budget stops the run. It was set to 7,500
 # steps for ~5.9 CPU-s a step; steps measured 7.9-8.2 CPU-s (evaluations included), so the run
 # would have stopped near step 5,300 with the learning rate still at 18 % of its peak. Steps
-# 1-3,073 ran with --steps 7500; the run resumed from step 3,073 with --steps 5600 (the learning
-# rate fell from 68 % to 41 % of its peak there, and is < 1 % of it at the budget).
-STEPS=${STEPS:-5600}
+# 1-3,073 ran with --steps 7500, steps 3,074-3,300 with --steps 5600 (the rate fell from 68 % to
+# 41 % of its peak). Then blocks began to share their sequence's context in the training forward
+# (dflash.drafter.shared_context_attention: a step 7.6 -> 5.8 CPU-s), so more steps fit the
+# budget: from step 3,300 the run continues with --steps 6600 (the rate rose from 39 % to 51 % of
+# its peak there, and is 1-2 % of it where the budget stops the run, near step 6,000-6,300).
+STEPS=${STEPS:-6600}
 exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
   --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
   --layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix --soft-weight 0.5 \
