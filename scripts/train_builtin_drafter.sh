@@ -36,7 +36,8 @@ RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
 # 41 % of its peak). Then blocks began to share their sequence's context in the training forward
 # (dflash.drafter.shared_context_attention: a step 7.6 -> 5.8 CPU-s), so more steps fit the
 # budget: from step 3,300 the run continues with --steps 6600 (the rate rose from 39 % to 51 % of
-# its peak there, and is 1-2 % of it where the budget stops the run, near step 6,000-6,300).
+# its peak there; a step now costs ~6.5 CPU-s, so the budget stops the run near step 5,750 with
+# the rate at ~4 % of its peak).
 STEPS=${STEPS:-6600}
 exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
   --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
