@@ -44,6 +44,11 @@ def test_table_fit_and_plot(tmp_path):
     # τ 1.505 at 4 + 1 pipeline hours is the first at or above the reference 1.5: 9 / 5 = 1.8
     assert "first reached it at 5.00 CPU-h (1.8× less)" in md
     assert (tmp_path / "docs" / "curve.png").stat().st_size > 1000
+    # reached later than the old pipeline: said as a ratio above 1, not "0.9× less"
+    out = run(metrics, "--data-cpu-hours", 1.0, "--reference-tau", 1.5, "--reference-cpu-hours",
+              4, "--out", tmp_path / "docs" / "late")
+    assert "first reached it at 5.00 CPU-h (1.25× the old pipeline's lower bound)" in \
+        (tmp_path / "docs" / "late.md").read_text()
 
 
 def test_per_domain_columns(tmp_path):
