@@ -15,6 +15,7 @@ from pathlib import Path
 # isort: off
 import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
+import mlx.nn as nn
 # isort: on
 import numpy as np
 import pytest
@@ -590,6 +591,36 @@ def test_loss_kl_ignores_hard_labels_and_ce_ignores_the_top_k(pattern, tmp_path)
                                              rel=1e-5)
     with pytest.raises(TrainConfigError, match="--loss kl"):
         Trainer(opts(pattern, tmp_path / "x", loss="kl", soft_topk=0))
+
+
+
+def test_block_loss_equals_the_log_softmax_formula_with_its_gradients(pattern, tmp_path):
+    """block_loss reads the label's and the top-k's logits as h · head row (no scatter over the
+    vocabulary in the backward pass): the same loss and gradients as −log_softmax at them."""
+    from mlx.utils import tree_flatten
+
+    tr = Trainer(opts(pattern, tmp_path / "d", soft_topk=8, soft_weight=0.5, negatives=16))
+    batch = tr.make_batch(tr.samples[:4], np.random.default_rng(5))
+    assert batch.soft_ids is not None and batch.neg_w is not None
+
+    def reference(draft, w):
+        h = draft_hidden(draft, batch.context, batch.seq_index, tr.embed(batch.tokens),
+                         batch.anchors, batch.masks)[:, 1:]
+        head = mx.concatenate([tr.head_w, batch.neg_w], axis=0)
+        logits = h @ head.T
+        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        hard = -mx.take_along_axis(logq, mx.maximum(batch.labels, 0)[..., None], -1)[..., 0]
+        soft = -(batch.soft_p * mx.take_along_axis(logq, batch.soft_ids, -1)).sum(-1)
+        per_row = (1 - w) * hard + w * soft
+        return (per_row * batch.weights).sum() / batch.weights.sum()
+
+    for w in (0.0, 0.5, 1.0):
+        ours = nn.value_and_grad(tr.draft, lambda d, w=w: block_loss(d, tr.embed, tr.head_w,
+                                                                     batch, w)[0])(tr.draft)
+        ref = nn.value_and_grad(tr.draft, lambda d, w=w: reference(d, w))(tr.draft)
+        assert ours[0].item() == pytest.approx(ref[0].item(), rel=1e-5)
+        for (name, a), (_, b) in zip(tree_flatten(ours[1]), tree_flatten(ref[1])):
+            assert mx.allclose(a, b, rtol=1e-3, atol=1e-6).item(), name
 
 
 def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(pattern, tmp_path):

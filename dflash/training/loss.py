@@ -84,13 +84,24 @@ def block_loss(draft, embed, head_w, batch: Batch, soft_weight: float,
     selector = getattr(draft, "candidate_selector", None)
     if selector is not None:
         logits = selector.unary(logits)
-    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     valid = batch.labels >= 0
     labels = mx.maximum(batch.labels, 0)
-    hard = -mx.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
+    soft_ids = batch.soft_ids if batch.soft_ids is not None and soft_weight > 0 else None
+    lse = mx.logsumexp(logits, axis=-1)
+    if selector is None:
+        # The label's (and the teacher's top-k) logits as h · head row: their gradient reaches h
+        # without a vocabulary-wide scatter (a step 5 % cheaper; the head is frozen).
+        hard = lse - (h * head_w[labels]).sum(-1)
+        if soft_ids is not None:
+            mean_row = (batch.soft_p[..., None] * head_w[soft_ids]).sum(-2)
+            soft = lse * batch.soft_p.sum(-1) - (h * mean_row).sum(-1)
+    else:
+        hard = lse - mx.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        if soft_ids is not None:
+            soft = (batch.soft_p * (lse[..., None] - mx.take_along_axis(logits, soft_ids, axis=-1))
+                    ).sum(-1)
     per_row = hard
-    if batch.soft_ids is not None and soft_weight > 0:
-        soft = -(batch.soft_p * mx.take_along_axis(logq, batch.soft_ids, axis=-1)).sum(-1)
+    if soft_ids is not None:
         per_row = (1 - soft_weight) * hard + soft_weight * soft
     w = batch.weights
     loss = (per_row * w).sum() / mx.maximum(w.sum(), 1e-9)
