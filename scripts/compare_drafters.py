@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dflash.acceptance import measure_tau
+    from dflash.bench import shown_path
     from dflash.drafter import load_draft
     from dflash.model_mlx import load
     from dflash.prompts import encode_prompt, prompt_domain, read_prompts
@@ -74,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     domains: dict[str, list[list[int]]] = {}
     for item in items:
         domains.setdefault(prompt_domain(item["id"]), []).append(encode_prompt(tokenizer, item))
-
-    from dflash.bench import shown_path
 
     # named as reports show them ($DFLASH_HOME/..., not this machine's paths)
     drafts = [(name if name == "builtin" else shown_path(name), resolve(name))
