@@ -22,23 +22,35 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export DFLASH_HOME=${DFLASH_HOME:-$HOME/.cache/dflash}
 D=$DFLASH_HOME/data/smollm2
-OUT=${OUT:-$DFLASH_HOME/runs/final-v2}
+OUT=${OUT:-$DFLASH_HOME/runs/final-v3}
+# On a new machine: the run's packed checkpoint comes back from the repository (scripts/carry_run.py)
+# and the features of every token record are recomputed first (~2 h of both cores for 2,600
+# records; --only-cached would otherwise drop the records of the checkpoint's epoch).
+mkdir -p "$D"
+ls "$D"/gen-*/gen-*.jsonl >/dev/null 2>&1 || $PY scripts/snapshot_training_data.py "$D" --restore
+[ -f "$D/gsm8k-heldout.jsonl" ] || tail -n 200 "${GSM8K:-../shared/datasets/gsm8k-train.jsonl}" \
+  > "$D/gsm8k-heldout.jsonl"  # held out: the last 200 GSM8K training questions
+PACKED=datasets/smollm2/runs/$(basename "$OUT")
+if [ ! -d "$OUT/train" ] && [ -f "$PACKED/PACKED" ]; then
+  $PY scripts/carry_run.py "$OUT" --restore
+  $PY -m dflash train --data "$D/gen-math,$D/gen-chat,$D/gen-code" \
+    --feature-cache "$D/features-all" --features-only --feature-workers 2 --no-progress
+fi
 bash scripts/link_features.sh "$D"  # every data folder's features, hard-linked into one cache
-# final-v1 (math + chat, 0.4 CPU-h) was stopped when code records arrived: final-v2 trains on all
-# three domains from the start, and takes records generated while it runs at epoch boundaries
-# (build_training_data.sh links their features in as it goes).
 DATA=$D/gen-math,$D/gen-chat,$D/gen-code
 RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
-# The cosine schedule should reach ~0 where the CPU budget stops the run. It was set to 7,500
-# steps for ~5.9 CPU-s a step; steps measured 7.9-8.2 CPU-s (evaluations included), so the run
-# would have stopped near step 5,300 with the learning rate still at 18 % of its peak. Steps
-# 1-3,073 ran with --steps 7500, steps 3,074-3,300 with --steps 5600 (the rate fell from 68 % to
-# 41 % of its peak). Then blocks began to share their sequence's context in the training forward
-# (dflash.drafter.shared_context_attention: a step 7.6 -> 5.8 CPU-s), so more steps fit the
-# budget: from step 3,300 the run continues with --steps 6600 (the rate rose from 39 % to 51 % of
-# its peak there; a step now costs ~6.5 CPU-s, so the budget stops the run near step 5,750 with
-# the rate at ~4 % of its peak).
-STEPS=${STEPS:-6600}
+# History. final-v1 (math + chat, 0.4 CPU-h) was stopped when code records arrived. final-v2
+# trained on all three domains, with data joining mid-run and its cosine schedule re-set twice
+# (--steps 7500 -> 5600 -> 6600, as the training forward got cheaper); it reached step ~4,900,
+# ~10.6 training CPU-h (held-out math τ 2.157 at 9.6 CPU-h: docs/bench/tau-vs-cpu.md), and was lost
+# with its machine between sessions 9 and 10 ($DFLASH_HOME does not move; nothing was packed).
+# final-v3 is the same recipe restarted on the 2,600 token records kept in datasets/smollm2/, with
+# one schedule from step 1: a step costs ~6.5 CPU-s (shared-context forward), so the 12 CPU-h
+# budget stops the run near step 6,650, and the cosine over 6,900 steps is at ~1 % of its peak
+# there. Its features were recomputed while it ran (--refresh-data takes them at epoch
+# boundaries, in a shuffled order across the domains). At the end of each session: pack it with
+# `python scripts/carry_run.py $OUT` and commit datasets/smollm2/runs/.
+STEPS=${STEPS:-6900}
 exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
   --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
   --layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix --soft-weight 0.5 \

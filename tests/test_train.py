@@ -402,6 +402,54 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     assert set(cfg["dflash_config"]["draft_vocab_ids"]) >= set(pattern["succ"])
 
 
+def test_a_packed_checkpoint_resumes_on_another_machine(pattern, tmp_path):
+    """scripts/carry_run.py: the newest checkpoint, packed small enough to commit (float16
+    weights, bfloat16 moments, $DFLASH_HOME-relative paths), resumes under another home."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import carry_run
+
+    home_a, home_b, store = tmp_path / "home-a", tmp_path / "home-b", tmp_path / "store"
+    kw = dict(steps=8, checkpoint_every=4)
+    straight = Trainer(opts(pattern, home_a / "straight", **kw))
+    straight.run()
+    first = Trainer(opts(pattern, home_a / "run", stop_after=6, cpu_budget=1e6,
+                         feature_cache=str(home_a / "features"), **kw))
+    first.run()  # checkpoints at 4 and 6 (the stop), metrics at 6
+    carry_run.main([str(home_a / "run"), "--store", str(store), "--home", str(home_a)])
+    state_text = (store / "state.json").read_text()
+    assert str(home_a) not in state_text and "$DFLASH_HOME/features" in state_text
+    assert mx.load(str(store / "draft.safetensors"))["fc.weight"].dtype == mx.float16
+    assert all(v.dtype == mx.bfloat16 for v in mx.load(str(store / "optimizer.safetensors")).values()
+               if mx.issubdtype(v.dtype, mx.floating))
+
+    # the new machine: its own home, no checkpoints; the pack becomes step-0000006 again
+    run_b = home_b / "run"
+    carry_run.main([str(run_b), "--store", str(store), "--home", str(home_b), "--restore"])
+    restored = json.loads((run_b / "train" / "step-0000006" / "state.json").read_text())
+    assert restored["options"]["feature_cache"] == str((home_b / "features").resolve())
+    weights = mx.load(str(run_b / "train" / "step-0000006" / "draft.safetensors"))
+    assert all(v.dtype == mx.float32 for v in weights.values())
+    metrics = (run_b / "train" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [6]
+    resumed = Trainer(opts(pattern, run_b, resume=True, **kw))
+    spent = json.loads((home_a / "run/train/step-0000006/state.json").read_text())["cpu_seconds"]
+    assert resumed.step == 6 and resumed.cpu_before == spent > 0  # the CPU budget carries over
+    assert (resumed.epoch, resumed.cursor, resumed.order) == (first.epoch, first.cursor,
+                                                               first.order)
+    resumed.run()
+    assert (resumed.step, resumed.epoch, resumed.cursor) == (8, straight.epoch, straight.cursor)
+    assert_same_weights(straight.draft, resumed.draft, atol=2e-3)  # float16 / bfloat16 rounding
+    assert straight.history[-1]["loss"] == pytest.approx(resumed.history[-1]["loss"], rel=2e-2)
+
+    # the machine that is ahead keeps its run; a folder that is no pack is named
+    with pytest.raises(TrainConfigError, match="already holds step 8"):
+        carry_run.main([str(run_b), "--store", str(store), "--home", str(home_b), "--restore"])
+    with pytest.raises(TrainConfigError, match="not a packed checkpoint"):
+        carry_run.main([str(tmp_path / "c"), "--store", str(home_a / "run"), "--restore"])
+    with pytest.raises(TrainConfigError, match="no training checkpoint"):
+        carry_run.main([str(tmp_path / "empty"), "--store", str(tmp_path / "s2")])
+
+
 @pytest.mark.slow
 def test_cli_entry_trains_and_writes_a_drafter(pattern, tmp_path):
     parser = add_train_args(argparse.ArgumentParser())

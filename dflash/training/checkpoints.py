@@ -115,3 +115,95 @@ def load_weights(path: Path, draft, optimizer) -> None:
     optimizer.state = tree_unflatten(list(opt.items()))
     optimizer.init(draft.trainable_parameters())
     mx.eval(draft.parameters(), optimizer.state)
+
+
+# -- carrying a run to another machine ---------------------------------------------------------
+# A machine's $DFLASH_HOME does not follow a project to a new machine; the repository does. A
+# packed checkpoint is the newest checkpoint made small enough to commit: weights in float16,
+# optimizer moments in bfloat16 (their range: second moments go far below float16's), paths under
+# $DFLASH_HOME written as "$DFLASH_HOME". Unpacked on the new machine, `--resume` continues it
+# (the features are recomputed there from the token records; they are GBs, the pack ~50 MB).
+
+PACK_NOTE = "dflash packed checkpoint"
+HOME_TOKEN = "$DFLASH_HOME"
+
+
+def _cast(arrays: dict, float_dtype) -> tuple[dict, dict]:
+    """Floating arrays cast to ``float_dtype``; the original dtypes by key (to cast back)."""
+    dtypes = {k: str(v.dtype) for k, v in arrays.items()}
+    out = {k: v.astype(float_dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+           for k, v in arrays.items()}
+    return out, dtypes
+
+
+def _uncast(arrays: dict, dtypes: dict) -> dict:
+    by_name = {str(getattr(mx, n)): getattr(mx, n) for n in ("float32", "float16", "bfloat16")}
+    return {k: v.astype(by_name[dtypes[k]]) if dtypes.get(k) in by_name else v
+            for k, v in arrays.items()}
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def pack_checkpoint(ckpt_dir: Path, dest: Path, home: Path) -> Path:
+    """Pack the newest checkpoint of ``ckpt_dir`` (and its ``metrics.jsonl``) into ``dest``."""
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        raise TrainConfigError(f"{ckpt_dir}: no training checkpoint (step-*/state.json) to pack")
+    src = found[-1]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for name, dtype in (("draft.safetensors", mx.float16), ("optimizer.safetensors", mx.bfloat16)):
+        arrays, dtypes = _cast(mx.load(str(src / name)), dtype)
+        write_safetensors(tmp / name, arrays, {"dtypes": json.dumps(dtypes)})
+    state = (src / STATE_FILE).read_text().replace(str(Path(home).resolve()), HOME_TOKEN)
+    (tmp / STATE_FILE).write_text(state)
+    metrics = ckpt_dir / "metrics.jsonl"
+    if metrics.is_file():
+        shutil.copyfile(metrics, tmp / "metrics.jsonl")
+    (tmp / "PACKED").write_text(json.dumps({"format": PACK_NOTE, "step": step_of(src)}) + "\n")
+    _replace_dir(tmp, dest)
+    return dest
+
+
+def unpack_checkpoint(packed: Path, ckpt_dir: Path, home: Path) -> Path:
+    """Put a packed checkpoint back as ``ckpt_dir/step-N`` (float32 again) for ``--resume``.
+
+    Refuses when ``ckpt_dir`` already holds a checkpoint at or past that step: the run here is
+    ahead, and its checkpoints and metrics stay.
+    """
+    marker = packed / "PACKED"
+    if not marker.is_file():
+        raise TrainConfigError(f"{packed}: not a packed checkpoint (no PACKED file)")
+    step = int(json.loads(marker.read_text())["step"])
+    have = list_checkpoints(ckpt_dir)
+    if have and step_of(have[-1]) >= step:
+        raise TrainConfigError(f"{ckpt_dir} already holds step {step_of(have[-1])} "
+                               f">= the packed step {step}: nothing to unpack")
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / f".tmp-step-{step:07d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for name in ("draft.safetensors", "optimizer.safetensors"):
+        arrays, meta = mx.load(str(packed / name), return_metadata=True)
+        write_safetensors(tmp / name, _uncast(arrays, json.loads(meta.get("dtypes", "{}"))))
+    state = (packed / STATE_FILE).read_text().replace(HOME_TOKEN, str(Path(home).resolve()))
+    (tmp / STATE_FILE).write_text(state)
+    final = checkpoint_path(ckpt_dir, step)
+    _replace_dir(tmp, final)
+    if (packed / "metrics.jsonl").is_file():
+        # records past the packed step were written after its checkpoint: the resumed run
+        # writes them again
+        lines = [line for line in (packed / "metrics.jsonl").read_text().splitlines()
+                 if line.strip() and json.loads(line).get("step", 0) <= step]
+        part = ckpt_dir / "metrics.jsonl.tmp"
+        part.write_text("".join(line + "\n" for line in lines))
+        os.replace(part, ckpt_dir / "metrics.jsonl")
+    return final

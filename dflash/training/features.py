@@ -104,7 +104,10 @@ def _feature_worker(target: str, data: str, taps: list[int], topk: int, cache_di
     parts = target_parts(model)
     store = FeatureStore(parts, taps, topk, Path(cache_dir))
     samples = read_samples(data, max_len, skip_truncated, parts.vocab_size)
-    todo = [s for s in samples[worker::workers] if not store.has(s)]
+    # In a fixed shuffled order, not by id (which groups the domains): a run training on the
+    # cache while it fills (--only-cached --refresh-data) sees every domain from the start.
+    shuffled = sorted(samples, key=lambda s: hashlib.sha1(s.id.encode()).digest())
+    todo = [s for s in shuffled[worker::workers] if not store.has(s)]
     bar = tqdm(todo, desc=f"features[{worker}]", position=worker, disable=not progress,
                unit="seq", mininterval=5.0)
     for s in bar:
