@@ -13,8 +13,9 @@ The extrapolation fits τ = a + b·ln(CPU-hours) to the evaluations after the fi
 drafters; it is a guide for how many more hours to spend, not a promise) and prints where it
 crosses each target.
 
-    python scripts/plot_training_curve.py $DFLASH_HOME/runs/final-v2/train/metrics.jsonl \\
-        --data-cpu-hours 2.2 --out docs/bench/tau-vs-cpu
+    python scripts/plot_training_curve.py $DFLASH_HOME/runs/final-v3/train/metrics.jsonl \\
+        --data-cpu-hours 3.4 --compare docs/bench/final-v2-evaluations.jsonl \\
+        --compare-data-cpu-hours 2.7 --out docs/bench/tau-vs-cpu
 """
 
 from __future__ import annotations
@@ -71,10 +72,15 @@ def main() -> None:
     ap.add_argument("--targets", default="2.0,2.5,3.0", help="τ values to extrapolate to")
     ap.add_argument("--fit-from-hours", type=float, default=0.5,
                     help="fit only the evaluations after this many training CPU-hours")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="another run's metrics.jsonl, drawn beside this one (e.g. an earlier run)")
+    ap.add_argument("--compare-data-cpu-hours", type=float, default=0.0,
+                    help="the data CPU-hours of the --compare run")
     ap.add_argument("--out", type=Path, required=True, help="output stem: STEM.png and STEM.md")
     a = ap.parse_args()
 
     evals = load_evaluations(a.metrics, a.key)
+    other = load_evaluations(a.compare, a.key) if a.compare else []
     if not evals:
         raise SystemExit(f"{a.metrics}: no record with {a.key!r} and cpu_s (is --eval-every set?)")
     xs = [h + a.data_cpu_hours for h, *_ in evals]
@@ -101,6 +107,13 @@ def main() -> None:
                  if first else
                  f"This run has not reached it yet (best {max(taus):.3f} at "
                  f"{xs[taus.index(max(taus))]:.2f} CPU-h).")]
+    if other:
+        shown = [p for p in other if p[1] % 1000 == 0]
+        if other[-1] not in shown:
+            shown.append(other[-1])
+        lines += ["", f"Beside `{a.compare}` (data {a.compare_data_cpu_hours:.2f} CPU-h): "
+                  + "; ".join(f"step {s} τ {t:.3f} at {h:.2f} training CPU-h"
+                              for h, s, t, _ in shown) + "."]
     if fit:
         ca, cb = fit
         lines += ["", f"Fit over the evaluations after {a.fit_from_hours} training CPU-h: "
@@ -127,6 +140,9 @@ def main() -> None:
     for d in domains:
         pts = [(x, by[d]) for x, (*_, by) in zip(xs, evals) if d in by]
         ax.plot([x for x, _ in pts], [t for _, t in pts], ".--", lw=1, label=d)
+    if other:
+        ax.plot([h + a.compare_data_cpu_hours for h, *_ in other], [t for _, _, t, _ in other],
+                "s-", ms=3, color="grey", alpha=0.7, label=f"{a.compare.stem} {a.key}")
     ax.axhline(a.reference_tau, color="grey", ls="--", lw=1,
                label=f"old drafter τ {a.reference_tau} (≥ {a.reference_cpu_hours} CPU-h)")
     if fit:

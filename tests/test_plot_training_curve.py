@@ -77,3 +77,21 @@ def test_a_log_without_evaluations_is_refused_by_line(tmp_path, content, message
     out = run(metrics, "--out", tmp_path / "curve")
     assert out.returncode != 0 and message in out.stderr
     assert not (tmp_path / "curve.md").exists()
+
+
+def test_an_earlier_run_drawn_beside(tmp_path):
+    """--compare: another run's evaluations (e.g. a run lost with its machine, kept as a small
+    JSONL) on the same axes, and its τ every 1,000 steps and at its last evaluation in the table."""
+    metrics, earlier = tmp_path / "metrics.jsonl", tmp_path / "final-v2-evaluations.jsonl"
+    write_metrics(metrics, [0.6, 1.0, 2.0])
+    earlier.write_text("".join(json.dumps({"step": s, "cpu_s": s * 7.2, "tau_b16": 1 + s / 1e4})
+                               + "\n" for s in (500, 1000, 1500, 2000, 2250)))
+    out = run(metrics, "--compare", earlier, "--compare-data-cpu-hours", 2.7,
+              "--out", tmp_path / "curve")
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "curve.md").read_text()
+    assert (f"Beside `{earlier}` (data 2.70 CPU-h): step 1000 τ 1.100 at 2.00 training CPU-h; "
+            "step 2000 τ 1.200 at 4.00 training CPU-h; step 2250 τ 1.225 at 4.50 training "
+            "CPU-h.") in md
+    assert "step 500 " not in md
+    assert (tmp_path / "curve.png").stat().st_size > 1000
