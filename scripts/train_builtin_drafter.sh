@@ -42,17 +42,18 @@ RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
 # History. final-v1 (math + chat, 0.4 CPU-h) was stopped when code records arrived. final-v2
 # trained on all three domains, with data joining mid-run and its cosine schedule re-set twice
 # (--steps 7500 -> 5600 -> 6600, as the training forward got cheaper); it reached step ~4,900,
-# ~10.6 training CPU-h (held-out math τ 2.157 at 9.6 CPU-h: docs/bench/tau-vs-cpu.md), and was lost
+# ~10.6 training CPU-h (held-out math τ 2.157 at 9.6 CPU-h: docs/bench/tau-vs-cpu-final-v2.md), and was lost
 # with its machine between sessions 9 and 10 ($DFLASH_HOME does not move; nothing was packed).
-# final-v3 is the same recipe restarted on the 2,600 token records kept in datasets/smollm2/, with
-# one schedule from step 1: a step costs ~6.5 CPU-s (shared-context forward), so the 12 CPU-h
-# budget stops the run near step 6,650, and the cosine over 6,900 steps is at ~1 % of its peak
-# there. Its features were recomputed while it ran (--refresh-data takes them at epoch
-# boundaries, in a shuffled order across the domains). At the end of each session: pack it with
-# `python scripts/carry_run.py $OUT` and commit datasets/smollm2/runs/.
-STEPS=${STEPS:-6900}
+# final-v3 is the same recipe restarted on the 2,600 token records kept in datasets/smollm2/, on a
+# machine ~2.7x slower per training step (17.5 CPU-s for the same batch; 6.5 before), so its
+# warm-up and cosine run over the CPU budget spent (--lr-schedule cpu), not over a step count:
+# the run anneals when its 12 CPU-h end, whatever a step costs on the machines it resumes on
+# (--steps is only a cap). Its features were recomputed while it ran (--refresh-data takes them
+# at epoch boundaries, in an order shuffled across the domains). At the end of each session:
+# pack it with `python scripts/carry_run.py $OUT` and commit datasets/smollm2/runs/.
+STEPS=${STEPS:-50000}  # a cap: the CPU budget ends the run
 exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
   --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
   --layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix --soft-weight 0.5 \
-  --soft-topk 16 --steps "$STEPS" --cpu-budget 43200 --checkpoint-every 50 --eval-every 250 \
-  --eval-prompts "$D/gsm8k-heldout.jsonl" --eval-n 4 --eval-block-sizes 16 --seed 0
+  --soft-topk 16 --steps "$STEPS" --cpu-budget 43200 --lr-schedule cpu --checkpoint-every 50 \
+  --eval-every 250 --eval-prompts "$D/gsm8k-heldout.jsonl" --eval-n 4 --eval-block-sizes 16 --seed 0

@@ -724,6 +724,38 @@ def test_cpu_budget_counts_cpu_time_and_carries_it_across_resume(pattern, tmp_pa
         TrainOptions(target="t", data="d", out="o", cpu_budget=0).check()
 
 
+def test_cpu_schedule_anneals_when_the_cpu_budget_ends(pattern, tmp_path):
+    """--lr-schedule cpu: warm-up and cosine run over the fraction of --cpu-budget spent, so a
+    budgeted run ends annealed whatever a step costs (machines differ ~3x per step); --steps is a
+    cap. Each logged rate is the formula at (about) the CPU time beside it."""
+    from dflash.training.trainer import cpu_schedule
+
+    assert cpu_schedule(1.0, 0.0, 0.1, 0.0) == pytest.approx(1e-3)
+    assert cpu_schedule(1.0, 0.1, 0.1, 0.0) == pytest.approx(1.0)
+    assert cpu_schedule(1.0, 0.55, 0.1, 0.0) == pytest.approx(0.5)
+    assert cpu_schedule(1.0, 1.0, 0.1, 0.2) == pytest.approx(0.2)
+    assert cpu_schedule(1.0, 7.0, 0.1, 0.0) == pytest.approx(0.0)  # past the budget: the floor
+    probe = Trainer(opts(pattern, tmp_path / "probe", steps=3))
+    before = probe.cpu_seconds
+    probe.run()
+    per_step = (probe.cpu_seconds - before) / 3
+    t = Trainer(opts(pattern, tmp_path / "cpu", steps=10_000, cpu_budget=1e9, warmup=0.05,
+                     lr_schedule="cpu", checkpoint_every=1000))
+    # a budget of ~60 steps beyond this run's own start-up, far below the step cap
+    budget = t.opts.cpu_budget = t.cpu_seconds + 60 * per_step
+    t.run()
+    assert 10 <= t.step < 10_000
+    records = [json.loads(line) for line in
+               (tmp_path / "cpu" / "train" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # the rate of each update is the formula at the CPU time of that update
+        assert r["lr"] == pytest.approx(cpu_schedule(3e-3, r["cpu_s"] / budget, 0.05, 0.0),
+                                        abs=0.15 * 3e-3)
+    assert records[0]["lr"] > 0.3 * 3e-3  # past the warm-up at step 10 (by steps: 0.3 % of it)
+    assert records[-1]["cpu_s"] >= budget - 0.1 and records[-1]["lr"] < 0.15 * 3e-3  # (cpu_s: 0.1 s)
+    with pytest.raises(TrainConfigError, match="--lr-schedule cpu: needs --cpu-budget"):
+        TrainOptions(target="t", data="d", out="o", lr_schedule="cpu").check()
+
+
 @pytest.mark.slow
 def test_a_disk_that_fills_while_training_loses_no_checkpoint_and_resume_continues(
         pattern, tmp_path, small_disk):

@@ -66,7 +66,13 @@ class TrainOptions:
     batch_seqs: int = option(4, "sequences per step")
     anchors: int = option(32, "anchors (blocks) per sequence")
     lr: float = option(6e-4)
-    warmup: float = option(0.04, "warm-up fraction of --steps")
+    warmup: float = option(0.04, "warm-up fraction of --steps (of the CPU budget with "
+                           "--lr-schedule cpu)")
+    lr_schedule: str = option(
+        "steps", "what the warm-up and cosine decay run over: steps (--steps) or cpu (the "
+        "fraction of --cpu-budget spent: a budgeted run anneals when its budget ends, however "
+        "many CPU-seconds a step costs on the machines it runs on; --steps is then only a cap)",
+        choices=("steps", "cpu"))
     min_lr_ratio: float = option(0.0)
     weight_decay: float = option(0.01)
     grad_clip: float = option(1.0)
@@ -165,6 +171,8 @@ class TrainOptions:
                     raise TrainConfigError(f"--{name.replace('_', '-')}: must be >= 1")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise TrainConfigError(f"--sliding-window {self.sliding_window}: must be >= 2")
+        if self.lr_schedule == "cpu" and self.cpu_budget is None:
+            raise TrainConfigError("--lr-schedule cpu: needs --cpu-budget (what it runs over)")
         for name in ("time_budget", "max_minutes", "cpu_budget"):
             value = getattr(self, name)
             if value is not None and value <= 0:

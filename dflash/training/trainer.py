@@ -15,6 +15,7 @@ writes checkpoints, metrics and the export, and all ranks resume from the same c
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -81,6 +82,9 @@ class Trainer:
         self.out = Path(o.out)
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
         self.ranks = init_ranks()
+        if self.ranks.distributed and o.lr_schedule == "cpu":
+            # each rank's CPU time is its own: their learning rates would drift apart
+            raise TrainConfigError("--lr-schedule cpu: one process only (not under mlx.launch)")
         if self.ranks.distributed and o.refresh_data:
             # each rank would reread a growing data set at its own moment and split another order
             raise TrainConfigError("--refresh-data: not with several ranks (mlx.launch); restart "
@@ -200,8 +204,13 @@ class Trainer:
                                    o.selector_top_k, window)
 
     def _schedule(self, peak: float):
-        """Linear warm-up to ``peak``, then cosine decay to ``peak * --min-lr-ratio``."""
+        """Linear warm-up to ``peak``, then cosine decay to ``peak * --min-lr-ratio``: over
+        ``--steps``, or with ``--lr-schedule cpu`` over the fraction of ``--cpu-budget`` spent."""
         o = self.opts
+        if o.lr_schedule == "cpu":
+            return lambda _step: mx.array(
+                cpu_schedule(peak, self.cpu_seconds / o.cpu_budget, o.warmup, o.min_lr_ratio),
+                mx.float32)
         warm = max(1, int(round(o.warmup * o.steps)))
         return optim.join_schedules(
             [optim.linear_schedule(peak * 1e-3, peak, warm),
@@ -473,6 +482,17 @@ class Trainer:
         self.history.append(record)
         with open_append(self.ckpt_dir / "metrics.jsonl") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def cpu_schedule(peak: float, progress: float, warmup: float, min_ratio: float) -> float:
+    """The learning rate at ``progress`` (0..1) of a CPU budget: linear warm-up from
+    ``peak * 1e-3`` over the first ``warmup``, then cosine decay to ``peak * min_ratio``."""
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < warmup:
+        return peak * (1e-3 + (1 - 1e-3) * progress / warmup)
+    t = (progress - warmup) / max(1.0 - warmup, 1e-9)
+    low = peak * min_ratio
+    return low + (peak - low) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
 def train(**kwargs) -> Path:
