@@ -5,10 +5,10 @@ the final-v2 run, 10.6 training CPU-h, was gone with its machine). This packs th
 checkpoint (~50 MB: float16 weights, bfloat16 optimizer moments, the state and metrics) into
 ``datasets/<name>/runs/<run>/``, and ``--restore`` puts it back so ``dflash train --resume``
 continues it. The features are not carried (GBs): ``scripts/train_builtin_drafter.sh`` recomputes
-them from the token records first (~2 h on the 2-core machine for 2,600 records, 835k tokens).
+them from the token records first (~50 min on the 2-core machine for 2,600 records, 835k tokens).
 
-    python scripts/carry_run.py $DFLASH_HOME/runs/final-v3            # pack (commit the result)
-    python scripts/carry_run.py $DFLASH_HOME/runs/final-v3 --restore  # unpack on a new machine
+    python scripts/carry_run.py $DFLASH_HOME/runs/final-v4            # pack (commit the result)
+    python scripts/carry_run.py $DFLASH_HOME/runs/final-v4 --restore  # unpack on a new machine
 """
 
 from __future__ import annotations

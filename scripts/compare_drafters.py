@@ -7,7 +7,7 @@ measurement for both on the same prompts — through the real engine, greedy, wh
 prompt id's prefix before ``-`` or ``/``: gsm8k, chat, HumanEval in the held-out mix), since a
 drafter can win on chat and lose on math.
 
-    python scripts/compare_drafters.py --drafts builtin,$DFLASH_HOME/runs/final-v3 --quantize \\
+    python scripts/compare_drafters.py --drafts builtin,$DFLASH_HOME/runs/final-v4 --quantize \\
         --work $DFLASH_HOME/runs/compare --out compare.json
 
 ``builtin`` names the built-in drafter. Prints a markdown table; ``--out`` writes every number.

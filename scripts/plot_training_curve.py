@@ -13,7 +13,7 @@ The extrapolation fits τ = a + b·ln(CPU-hours) to the evaluations after the fi
 drafters; it is a guide for how many more hours to spend, not a promise) and prints where it
 crosses each target.
 
-    python scripts/plot_training_curve.py $DFLASH_HOME/runs/final-v3/train/metrics.jsonl \\
+    python scripts/plot_training_curve.py $DFLASH_HOME/runs/final-v4/train/metrics.jsonl \\
         --data-cpu-hours 3.4 --compare docs/bench/final-v2-evaluations.jsonl \\
         --compare-data-cpu-hours 2.7 --out docs/bench/tau-vs-cpu
 """

@@ -22,9 +22,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export DFLASH_HOME=${DFLASH_HOME:-$HOME/.cache/dflash}
 D=$DFLASH_HOME/data/smollm2
-OUT=${OUT:-$DFLASH_HOME/runs/final-v3}
+OUT=${OUT:-$DFLASH_HOME/runs/final-v4}
 # On a new machine: the run's packed checkpoint comes back from the repository (scripts/carry_run.py)
-# and the features of every token record are recomputed first (~2 h of both cores for 2,600
+# and the features of every token record are recomputed first (~50 min of both cores for 2,600
 # records; --only-cached would otherwise drop the records of the checkpoint's epoch).
 mkdir -p "$D"
 ls "$D"/gen-*/gen-*.jsonl >/dev/null 2>&1 || $PY scripts/snapshot_training_data.py "$D" --restore
@@ -44,15 +44,16 @@ RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
 # (--steps 7500 -> 5600 -> 6600, as the training forward got cheaper); it reached step ~4,900,
 # ~10.6 training CPU-h (held-out math τ 2.157 at 9.6 CPU-h: docs/bench/tau-vs-cpu-final-v2.md), and was lost
 # with its machine between sessions 9 and 10 ($DFLASH_HOME does not move; nothing was packed).
-# final-v3 is the same recipe restarted on the 2,600 token records kept in datasets/smollm2/, on a
-# machine ~2.7x slower per training step (17.5 CPU-s for the same batch; 6.5 before), so its
-# warm-up and cosine run over the CPU budget spent (--lr-schedule cpu), not over a step count:
-# the run anneals when its 12 CPU-h end, whatever a step costs on the machines it resumes on
-# (--steps is only a cap). Its features were recomputed while it ran (--refresh-data takes them
-# at epoch boundaries, in an order shuffled across the domains). At the end of each session:
-# pack it with `python scripts/carry_run.py $OUT` and commit datasets/smollm2/runs/.
+# final-v3 restarted it in session 10 and was lost the same way, unpacked. final-v4 (session 11)
+# is the same recipe on the 2,600 token records kept in datasets/smollm2/, its warm-up and cosine
+# over the CPU budget spent (--lr-schedule cpu), not over a step count: the run anneals when its
+# 12 CPU-h end, whatever a step costs on the machines it resumes on (~7 CPU-s on session 11's;
+# --steps is only a cap). Its features were computed beside it (--refresh-data takes them at
+# epoch boundaries, in an order shuffled across the domains). During each session, early and
+# again before it ends: pack it with `python scripts/carry_run.py $OUT` and commit
+# datasets/smollm2/runs/.
 STEPS=${STEPS:-50000}  # a cap: the CPU budget ends the run
-exec nice -n 19 $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
+exec nice -n "${NICE:-19}" $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
   --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
   --layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix --soft-weight 0.5 \
   --soft-topk 16 --steps "$STEPS" --cpu-budget 43200 --lr-schedule cpu --checkpoint-every 50 \
