@@ -90,7 +90,10 @@ def main() -> None:
 
     lines = [f"# Held-out τ against CPU-hours ({a.metrics.parent.parent.name or a.metrics.stem})", "",
              f"`python scripts/plot_training_curve.py {a.metrics} --data-cpu-hours "
-             f"{a.data_cpu_hours} --out {a.out}`", "",
+             f"{a.data_cpu_hours}"
+             + (f" --compare {a.compare} --compare-data-cpu-hours {a.compare_data_cpu_hours}"
+                if a.compare else "")
+             + f" --out {a.out}`", "",
              f"CPU-hours = the data's {a.data_cpu_hours:.2f} CPU-h (datagen, magpie) + the "
              "training process's CPU time (`cpu_s`, carried across `--resume`). τ: held-out "
              f"`{a.key}` through the engine, greedy, whole blocks verified.", "",
