@@ -51,7 +51,11 @@ RESUME=""; [ -d "$OUT/train" ] && RESUME="--resume"
 # --steps is only a cap). Its features were computed beside it (--refresh-data takes them at
 # epoch boundaries, in an order shuffled across the domains). During each session, early and
 # again before it ends: pack it with `python scripts/carry_run.py $OUT` and commit
-# datasets/smollm2/runs/.
+# datasets/smollm2/runs/. final-v4 ended in session 14 (a new machine: unpacked at step 5,250,
+# features recomputed in 52 min) at step 5,638, 43,204 CPU-s; its 6-bit conversion is kept in
+# datasets/smollm2/drafters/final-v4-6bit/ (not shipped yet: docs/bench/final-v4/README.md;
+# scripts/reproduce_final_v4.sh); its step-5,250 pack stays in datasets/smollm2/runs/final-v4/
+# (a new machine rerunning this script redoes the last 388 steps from it, ~30 min).
 STEPS=${STEPS:-50000}  # a cap: the CPU budget ends the run
 exec nice -n "${NICE:-19}" $PY -m dflash train --data "$DATA" --out "$OUT" $RESUME \
   --feature-cache "$D/features-all" --only-cached --refresh-data --no-progress \
