@@ -19,8 +19,8 @@
 #   12 CPU-hour budget of the process's own CPU time (--lr-schedule cpu): 5,638 steps at 7.4-8.1
 #   CPU-s each, resumed across four sessions (twice on a new machine, from its packed checkpoint).
 # - measured (scripts/compare_drafters.py, 16 held-out prompts, block 16, whole blocks verified):
-#   held-out τ math 2.313 / chat 1.367 / code 1.384 (all 1.623) against the previous built-in
-#   built-in drafter's 2.081 / 1.147 / 1.239 (1.412); its 6-bit / group-64 conversion
+#   held-out τ math 2.313 / chat 1.367 / code 1.384 (all 1.623) against the built-in
+#   drafter's 2.081 / 1.147 / 1.239 (1.412); its 6-bit / group-64 conversion
 #   2.332 / 1.360 / 1.379 (-0.1 %). More in docs/training.md#the-built-in-drafter.
 #
 # CPU cost of each stage on that 2-core machine (CPU-hours = wall hours x busy cores):
@@ -29,10 +29,12 @@
 #   2. features: ~1.7 CPU-h from kept records (52 min of both cores for 2,600 records, 835k tokens,
 #      session 14); ~0 after regeneration (datagen already wrote them: linked, not recomputed)
 #   3. training: 12.0 CPU-h (the budget; ~7 h wall on both cores)
-#   4. comparison: ~0.15 CPU-h (5.5 min wall)   5. conversion: seconds   6. bench: ~0.2 CPU-h (6 min wall)
+#   4. comparison: ~0.15 CPU-h (5.5 min wall)
+#   5. conversion: seconds
+#   6. bench: ~0.2 CPU-h (6 min wall)
 #
 # Usage: bash scripts/reproduce_final_v4.sh [--from-records] [WORK_DIR]   (default ./data-repro)
-#   --from-records  train on the kept token records (the shipped drafter's exact data): ~50 min of
+#   --from-records  train on the kept token records (final-v4's exact data): ~50 min of
 #                   features on both cores, then the 12 CPU-h run.
 #   otherwise       regenerate the records first with the target (datagen writes each response's
 #                   tap features and top-16 from the passes that generate it: ~1.7 CPU-h per
@@ -57,8 +59,10 @@ mkdir -p "$D"
 if [ "$FROM_RECORDS" = 1 ]; then
   ls "$D"/gen-*/gen-*.jsonl >/dev/null 2>&1 || $PY scripts/snapshot_training_data.py "$D" --restore
 else
-  [ -f "$D/code-prompts.jsonl" ] || $PY scripts/make_code_prompts.py "$D/code-prompts.jsonl" --seed 0
-  [ -f "$D/chat-prompts.jsonl" ] || gunzip -c datasets/smollm2/chat-prompts.jsonl.gz > "$D/chat-prompts.jsonl"
+  [ -f "$D/code-prompts.jsonl" ] || \
+    $PY scripts/make_code_prompts.py "$D/code-prompts.jsonl" --seed 0
+  [ -f "$D/chat-prompts.jsonl" ] || \
+    gunzip -c datasets/smollm2/chat-prompts.jsonl.gz > "$D/chat-prompts.jsonl"
   gen() {  # gen PROMPTS OUT DOMAIN LIMIT (skips the ids already written)
     $PY -m dflash datagen --prompts "$1" --out "$2" --domain "$3" --limit "$4" \
         --max-tokens 384 --batch-size 64 --no-progress
