@@ -1,7 +1,6 @@
-"""dflash: DFlash block-diffusion speculative decoding on MLX."""
+"""dflash: DFlash block-diffusion speculative decoding on MLX.
 
-from .backend import preload_openblas
-
-preload_openblas()
+Importing it changes nothing: the loaders set up MLX's CPU backend (:func:`dflash.backend.configure`).
+"""
 
 __version__ = "0.1.0"

@@ -49,6 +49,11 @@ class MissingDependencyError(DFlashError):
     """An optional extra (``dflash[serve]``, ``dflash[bench]``) that is not installed."""
 
 
+class BackendSetupError(DFlashError):
+    """MLX's CPU backend cannot be set up as asked (``DFLASH_BLAS``): OpenBLAS missing, or
+    ``mlx.core`` loaded first by a build whose BLAS calls cannot be routed to it."""
+
+
 class QueueFull(Exception):
     """The serving worker's queue is full; the HTTP layer answers 429."""
 

@@ -30,6 +30,7 @@ def load_target(path_or_hf_repo: str, tokenizer_config: dict | None = None, **kw
     (float32 and dequantized on the CPU; as stored on Metal and CUDA)."""
     from mlx_lm import load as mlx_lm_load
 
+    backend.configure()
     model, tokenizer = mlx_lm_load(str(path_or_hf_repo), tokenizer_config=tokenizer_config or {},
                                    **kwargs)
     backend.prepare_for_backend(model)

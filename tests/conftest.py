@@ -5,9 +5,6 @@ greedy-exactness run per target family) while changing code; plain `pytest` / `s
 (what CI runs) runs everything, the `slow` tests included.
 """
 
-# isort: off
-import dflash  # noqa: F401  (routes OpenBLAS before anything imports mlx)
-# isort: on
 import errno
 import os
 import subprocess
@@ -16,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash.backend import configure
+
+configure()  # OpenBLAS bound as mlx.core loads, before any test module imports it
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402

@@ -20,12 +20,12 @@ LAYERS: dict[str, set[str]] = {
               "default_pair", "tree", "lookup", "dflash2", "ragged_cache"},
     "engine": {"model_mlx", "pair", "speculative", "batch", "verify_policy", "cost_model",
                "prompt_cache", "acceptance", "stats", "pair_memory"},
-    "tools": {"serving.*", "training.*", "bench", "convert"},
+    "tools": {"serving.*", "training.*", "bench", "convert", "tau", "bound"},
     "top": {"cli", "__main__"},
 }
 ORDER = list(LAYERS)
-# ``dflash/__init__.py`` (the package itself, "") sits with the base: it may import only backend.
-PACKAGE_INIT_IMPORTS = {"backend"}
+# ``dflash/__init__.py`` (the package itself, "") imports nothing: ``import dflash`` has no effect.
+PACKAGE_INIT_IMPORTS: set[str] = set()
 CLI_IMPORTERS = {"__main__", "cli"}
 # Imports that break a rule but are kept for now, each with the reason (the lead decides).
 ALLOWED: set[tuple[str, str]] = set()
@@ -161,7 +161,7 @@ def test_the_checker_sees_relative_and_function_level_imports():
     # The rules above are only as good as the import reader: check it on the real tree.
     graph = import_graph()
     assert "cli" in graph["__main__"]
-    assert "backend" in graph[""]
+    assert "backend" in graph["target"]
     assert "serving.app" in graph["serving"]  # ``from .app import ...``
     assert "target" in graph["pair"]  # imported inside load_pair
     assert "target" not in import_graph(module_level=True)["pair"]

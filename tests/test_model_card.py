@@ -1,6 +1,7 @@
 """The model card's code runs verbatim, with local paths in place of hub ids."""
 
 import json
+import platform
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+import dflash.backend as backend
 from dflash.drafter import load_draft
 from dflash.model_mlx import generate, load
 
@@ -64,10 +66,21 @@ def run_model_card(target, draft) -> None:
     """The snippet, verbatim but for the two paths, in a fresh interpreter."""
     code = (MODEL_CARD.replace('"Qwen/Qwen3.5-4B"', repr(str(target)))
             .replace('"Qwen3.5-4B-DFlash-MLX-6bit"', repr(str(draft))))
+    # After the snippet, which BLAS it ran on (the loaders set the backend up; Linux: OpenBLAS).
+    code += BLAS_PROBE
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert len(run.stdout) > 100
+    blas = run.stderr.strip().splitlines()[-1]
+    if platform.system() == "Linux" and backend._find_openblas() is not None:
+        assert blas.startswith("blas openblas ") and "libopenblas" in blas, blas
+
+
+BLAS_PROBE = """
+import sys, dflash.backend
+print("blas", dflash.backend.blas_status, dflash.backend.mlx_blas(), file=sys.stderr)
+"""
 
 
 @pytest.mark.slow
