@@ -401,6 +401,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_concurrency_bench,
     )
 
+    if args.tau or args.bound:  # drafters side by side / what the drafter allows at most
+        from . import bound, tau
+
+        return (tau if args.tau else bound).run_from_args(args, log)
     if args.concurrency is not None:
         if args.concurrency < 1:
             raise CLIError(f"--concurrency {args.concurrency}: must be >= 1", code=2)
@@ -550,6 +554,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_prompt_args(p)
     p.add_argument("--out", default=None,
                    help="folder for bench.json, bench.md and the PNG plots")
+    g = p.add_argument_group("drafters (instead of the speed-up)")
+    g.add_argument("--tau", action="store_true",
+                   help="held-out τ per prompt domain of each drafter in --draft A,B,... "
+                        "(`builtin`: the built-in drafter), whole blocks verified, greedy; "
+                        "fails when their outputs differ")
+    g.add_argument("--quantize", action="store_true",
+                   help="with --tau: also each float drafter's 6-bit / group-64 conversion")
+    g.add_argument("--bound", default=None, metavar="BENCH_JSON",
+                   help="the speed-up bounds (best chain, oracle, batched) from a whole-block "
+                        "bench JSON and this machine's pass costs for the pair")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("calibrate", help="measure this machine's verify and draft costs",

@@ -13,6 +13,22 @@ from pathlib import Path
 from .errors import PromptFileError
 
 PROMPT_FIELDS = ("messages", "prompt", "question", "instruction")
+# Prompt sets shipped with the package (the benchmarks' held-out prompts): ``heldout-mix`` names
+# ``assets/prompts/heldout-mix.jsonl`` wherever dflash is installed.
+PROMPT_SETS = Path(__file__).parent / "assets" / "prompts"
+
+
+def prompt_sets() -> list[str]:
+    """The names of the prompt sets shipped with the package."""
+    return sorted(p.stem for p in PROMPT_SETS.glob("*.jsonl"))
+
+
+def prompt_file(path: str | Path) -> Path:
+    """``path`` itself, or the shipped prompt set it names when no such file exists."""
+    path = Path(path)
+    if not path.exists() and path.suffix == "" and (PROMPT_SETS / f"{path}.jsonl").is_file():
+        return PROMPT_SETS / f"{path}.jsonl"
+    return path
 
 
 def prompt_domain(prompt_id: str) -> str:
@@ -31,10 +47,11 @@ def _check_messages(messages, where: str) -> list[dict]:
 
 def read_prompts(path: str | Path) -> list[dict]:
     """Return ``[{"id", "messages" | "prompt"}]``; a bad line raises :class:`PromptFileError`
-    naming the file and line."""
-    path = Path(path)
+    naming the file and line. A shipped prompt set may be named (``heldout-mix``)."""
+    path = prompt_file(path)
     if not path.is_file():
-        raise PromptFileError(f"prompt file {path} does not exist")
+        raise PromptFileError(f"prompt file {path} does not exist (or name a shipped set: "
+                              f"{', '.join(prompt_sets())})")
     items = []
     seen: dict[str, int] = {}
     with path.open(encoding="utf-8", errors="replace") as f:

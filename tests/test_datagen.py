@@ -228,11 +228,11 @@ def test_bad_data_sets(tmp_path):
 
 @pytest.mark.slow
 def test_token_snapshot_round_trip_resumes_on_a_new_machine(target, tmp_path, capsys):
-    """scripts/snapshot_training_data.py keeps the records (not the features) as gzip'd ids —
-    the same bytes for the same records — and puts them back where datagen skips them."""
+    """recipes/smollm2/snapshot_training_data.py keeps the records (not the features) as gzip'd
+    ids — the same bytes for the same records — and puts them back where datagen skips them."""
     import gzip
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes" / "smollm2"))
     import snapshot_training_data as snapshot
 
     prompts = write_prompts(tmp_path / "p.jsonl")

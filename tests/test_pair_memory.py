@@ -283,32 +283,6 @@ def test_an_unwritable_folder_keeps_the_memory_in_process(loaded_pair, tmp_path,
     assert memory.acceptance.tried.sum() > 0 and pair_memory(model, draft, 7) is memory
 
 
-@pytest.mark.slow
-def test_the_one_shot_benchmark_script_runs_and_checks_its_outputs(tiny_pair, storing, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    target, draft = tiny_pair("llama")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"sea-{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(["The sea is", "Waves come and"])))
-    out = tmp_path / "runs.json"
-    root = Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, "scripts/bench_pair_memory.py", "--prompts", str(prompts),
-                        "--model", str(target), "--draft", str(draft), "--max-tokens", "24",
-                        "--block-size", "8", "--out", str(out)], cwd=root, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    assert "outputs identical: True" in p.stdout and "| sea (2) |" in p.stdout
-    runs = json.loads(out.read_text())
-    assert set(runs) == {"sea-0", "sea-1"}
-    for r in runs.values():
-        assert r["fresh"]["tokens"] == r["stored"]["tokens"] and r["fresh"]["priced_ms"] > 0
-    assert list(storing.glob("memory-*.json"))  # the stored side stored
-
-
 def test_a_full_disk_leaves_the_stored_file_whole(loaded_pair, small_disk, monkeypatch, capsys):
     import json
 

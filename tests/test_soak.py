@@ -1,4 +1,4 @@
-"""``scripts/soak.py``: its checks catch what they must (fast), and a quick soak of the real server
+"""``benchmarks/soak.py``: its checks catch what they must (fast), and a quick soak of the real server
 with the tiny pair passes (slow): no 5xx, clean 4xx for malformed requests, every completed greedy
 response equal to the library's, memory flat.
 """
@@ -22,7 +22,7 @@ KIND = "llama"  # = conftest.SERVER_KIND
 
 
 def _soak_module():
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["soak"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -64,7 +64,7 @@ def test_quick_soak_of_the_real_server_passes(tiny_pair, tmp_path):
     # 15 s cannot tell the tiny server's warm-up (its RSS climbs for ~10 s on a loaded machine)
     # from a slow leak: half the run settles and the limit is loose; a gross leak still fails.
     # The long soaks (docs/serving.md) hold the 10 % limit.
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--quick", "--duration", "15",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--duration", "15",
            "--max-tokens", "8,16", "--settle", "0.5", "--max-growth", "0.25",
            "--model", str(target), "--draft", str(draft),
            "--log", str(tmp_path / "server.log"), "--json", str(out)]

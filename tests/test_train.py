@@ -403,10 +403,10 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
 
 
 def test_a_packed_checkpoint_resumes_on_another_machine(pattern, tmp_path):
-    """scripts/carry_run.py: the newest checkpoint, packed small enough to commit (float16
-    weights, bfloat16 moments, $DFLASH_HOME-relative paths), resumes under another home."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import carry_run
+    """recipes/smollm2/carry_checkpoint.py: the newest checkpoint, packed small enough to carry
+    (float16 weights, bfloat16 moments, $DFLASH_HOME-relative paths), resumes under another home."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes" / "smollm2"))
+    import carry_checkpoint as carry_run
 
     home_a, home_b, store = tmp_path / "home-a", tmp_path / "home-b", tmp_path / "store"
     kw = dict(steps=8, checkpoint_every=4)
