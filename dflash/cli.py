@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .backend import env_flag
+from .backend import configure, env_flag
 from .console import PROG, log, one_line
 from .errors import CLIError, DFlashError
 from .pair import Pair, load_pair
@@ -619,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{PROG} {args.command}"
     debug = env_flag("DFLASH_DEBUG")
     try:
+        configure()  # before any command imports mlx.core: OpenBLAS is bound as MLX loads
         rc = func(args)
         return rc if isinstance(rc, int) else 0  # commands may return what they wrote
     except KeyboardInterrupt:
