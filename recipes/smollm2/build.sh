@@ -13,8 +13,9 @@
 # Usage: bash recipes/smollm2/build.sh [--smoke] [--regenerate] [--restore-checkpoint] [STAGE...]
 #   STAGE...              run only these stages (default: all five, in order)
 #   --smoke               every stage on a tiny slice (4 records a domain, 4 training steps, 2
-#                         prompts of 8 tokens) in a scratch folder: checks that each stage runs and
-#                         that the result loads (CI runs it; about a minute on 2 cores)
+#                         prompts of 8 tokens) in a scratch folder ($SMOKE_DIR, default
+#                         $DFLASH_HOME/recipe-smoke): checks that each stage runs and that the
+#                         drafter it writes loads and keeps the target's output (CI runs it)
 #   --regenerate          write the records with the target instead of restoring the kept ones
 #                         (needs GSM8K=path/to/gsm8k-train.jsonl; batched float32 decoding can flip
 #                         a near-tie token, so a few responses may differ from the kept ones)
@@ -70,13 +71,13 @@ COMPARE_ARGS=(--prompts heldout-mix --block-size 16 --max-tokens 96)
 RESTORE_LIMIT=()
 if [ "$SMOKE" = 1 ]; then
   [ "$REGENERATE" = 0 ] || { echo "build.sh: --smoke restores the kept records" >&2; exit 2; }
-  SCRATCH=$DFLASH_HOME/recipe-smoke
+  SCRATCH=${SMOKE_DIR:-$DFLASH_HOME/recipe-smoke}  # emptied first
   rm -rf "$SCRATCH"
   D=$SCRATCH/data; OUT=$SCRATCH/runs/$DRAFTER; SIXBIT=$SCRATCH/drafts/$DRAFTER-6bit
   RESTORE_LIMIT=(--limit 4)
-  FEATURE_ARGS=(--feature-workers 1 --max-len 64)
+  FEATURE_ARGS=(--feature-workers 1 --max-len 160)
   TRAIN_ARGS=(--layers 2 --block-size 16 --batch-seqs 2 --anchors 4 --steps 4
-              --checkpoint-every 2 --eval-every 0 --max-len 64 --seed 0)
+              --checkpoint-every 2 --eval-every 0 --max-len 160 --seed 0)
   COMPARE_ARGS=(--prompts heldout-mix --limit 2 --block-size 16 --max-tokens 8)
 fi
 DATA=$(IFS=,; for d in "${DOMAINS[@]}"; do printf '%s\n' "$D/gen-$d"; done | paste -sd,)
