@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# Set up and run the test suite.
+# Set up, then run the test suite: the fast tier (`pytest -m "not slow"`), then the slow tier,
+# with the wall time of each. Arguments, if any, go to a single pytest run instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-${PYTHON:-python3} -m pytest -q "$@"
+PY=${PYTHON:-python3}
+[ "${DFLASH_SETUP_DONE:-0}" = 1 ] || bash scripts/setup.sh
+if [ $# -gt 0 ]; then
+  exec $PY -m pytest -q "$@"
+fi
+start=$SECONDS
+$PY -m pytest -q -m "not slow"
+fast=$((SECONDS - start))
+echo "test.sh: fast tier (pytest -m \"not slow\") passed in ${fast} s"
+start=$SECONDS
+$PY -m pytest -q -m slow
+echo "test.sh: fast tier ${fast} s, slow tier $((SECONDS - start)) s"
