@@ -32,6 +32,8 @@ EXTERNAL = {
                 "regenerate training responses with the target model"),
     "magpie": ("dflash.training.magpie", "add_magpie_args", "run_magpie",
                "write chat prompts with the target itself (Magpie)"),
+    "records": ("dflash.training.records", "add_records_args", "run_records_cli",
+                "write training records at scale into sealed shards (resumable background job)"),
     "train": ("dflash.training.commands", "add_train_args", "run_train",
               "train a DFlash drafter for a target model"),
 }

@@ -53,6 +53,7 @@ class _Sequence:
     id: str
     prompt_ids: list[int]
     response: list[int]
+    max_tokens: int | None = None  # this sequence's own cap (None: the engine's)
     feats: list[np.ndarray] = field(default_factory=list)  # one block of rows per pass
     top_ids: list[np.ndarray] = field(default_factory=list)
     top_logp: list[np.ndarray] = field(default_factory=list)
@@ -137,7 +138,7 @@ class RolloutEngine:
     def _finished(self, seq: _Sequence) -> str | None:
         if seq.response[-1] in self.stop_ids:
             return "stop"
-        if len(seq.response) >= self.max_tokens:
+        if len(seq.response) >= (seq.max_tokens or self.max_tokens):
             return "length"
         return None
 
@@ -156,8 +157,9 @@ class RolloutEngine:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def run(self, items: Iterable[tuple[str, list[int]]]) -> Iterator[Rollout]:
-        """Yield a :class:`Rollout` per ``(id, prompt_ids)`` as each finishes (not in order)."""
+    def run(self, items: Iterable[tuple]) -> Iterator[Rollout]:
+        """Yield a :class:`Rollout` per ``(id, prompt_ids)`` (or ``(id, prompt_ids, max_tokens)``,
+        a cap of its own) as each finishes (not in order)."""
         pending = iter(items)
         active: list[_Sequence] = []
         cache: list | None = None
@@ -172,6 +174,7 @@ class RolloutEngine:
                     exhausted = True
                     break
                 seq, seq_cache = self._prefill(str(item[0]), list(item[1]))
+                seq.max_tokens = int(item[2]) if len(item) > 2 and item[2] else None
                 reason = self._finished(seq)
                 if reason is not None:
                     self.stats.seconds = time.perf_counter() - tic

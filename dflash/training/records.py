@@ -1,0 +1,333 @@
+"""``dflash records``: the long-running job that writes token records at scale into sealed shards.
+
+Making records is the long pole of training a drafter on a CPU (CPU-hours per thousand), so it
+runs in the background for days, across machines, beside other work:
+
+* ``dflash records heldout`` writes the held-out splits of the new domains (agent turns, long
+  contexts) once, before any generation (:func:`dflash.training.sources.heldout_sets`);
+* ``dflash records run`` builds every prompt source (:mod:`dflash.training.sources`), mixes the
+  domains by weight, skips what any shard already holds (by id and by prompt tokens, and the
+  records kept before shards existed), and lets the target write each response itself (greedy,
+  its chat template, one continuous batch per length bucket, through
+  :class:`~dflash.training.capture.RolloutEngine` as ``dflash datagen`` does) into
+  :class:`~dflash.training.shards.ShardStore`. Killed at any moment it resumes without losing or
+  repeating a record; restarted with more sources it simply has more to do;
+* between records it sleeps while ``$DFLASH_HOME/PAUSE`` exists (speed is measured on a quiet
+  machine) and stops cleanly when ``$DFLASH_HOME/STOP`` appears; its pid is in
+  ``$DFLASH_HOME/datagen.pid`` and its progress in ``<work>/status.json``;
+* ``dflash records publish`` copies sealed shards into the repository (commit each once);
+  ``dflash records status`` prints what is done.
+
+Only token ids are stored: features are recomputed from them for training (see
+``docs/drafter-data.md`` for what that costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import time
+from pathlib import Path
+
+from ..console import log
+from ..default_pair import cache_dir, default_target_path
+from ..errors import DataSetError, DFlashError
+from ..prompts import encode_prompt
+from .shards import ShardStore, iter_records, prompt_key, publish
+from .sources import WEIGHTS, build_sources, heldout_sets, interleave, stdlib_files
+
+REPO = Path(__file__).resolve().parents[2]
+PAIR = "smollm2"
+LEGACY = ("math", "chat", "code")  # records kept before shards: datasets/<pair>/<domain>.jsonl.gz
+SHARD_SIZES = {"*": 500, "agent": 250, "long": 100}
+BUCKETS = ((1536, 64), (4096, 12), (8192, 3))  # (most prompt + answer tokens, batch size)
+CONTEXT = 8192  # positions the built-in target reads
+
+
+def default_work() -> Path:
+    return cache_dir() / "shards" / PAIR
+
+
+def default_repo() -> Path:
+    return REPO / "datasets" / PAIR / "shards"
+
+
+def heldout_paths(repo_root: Path = REPO) -> list[Path]:
+    """Every held-out prompt file: none of their text may reach training."""
+    paths = sorted((repo_root / "dflash" / "assets" / "prompts").glob("*.jsonl"))
+    paths += [p for p in (repo_root / "docs" / "bench").glob("*.jsonl")
+              if "heldout" in p.name]
+    paths += sorted((repo_root / "datasets" / PAIR).glob("*heldout*.jsonl*"))
+    return paths
+
+
+def split_paths(repo_root: Path = REPO) -> list[Path]:
+    """The held-out splits of the new domains (built from held-out files and ids)."""
+    return sorted((repo_root / "datasets" / PAIR / "heldout").glob("*.jsonl"))
+
+
+def gsm8k_path() -> Path | None:
+    env = os.environ.get("DFLASH_GSM8K")
+    for p in ([Path(env)] if env else []) + [REPO.parent / "shared" / "datasets" /
+                                              "gsm8k-train.jsonl"]:
+        if p.is_file():
+            return p
+    return None
+
+
+def legacy_records(repo_root: Path = REPO) -> list[dict]:
+    out = []
+    for domain in LEGACY:
+        path = repo_root / "datasets" / PAIR / f"{domain}.jsonl.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def _wait_while_paused(pause: Path) -> None:
+    if not pause.exists():
+        return
+    log(f"records: paused ({pause} exists)")
+    while pause.exists():
+        time.sleep(2.0)
+    log("records: resumed")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _bucket(n: int) -> int:
+    return next(i for i, (most, _) in enumerate(BUCKETS) if n <= most or i == len(BUCKETS) - 1)
+
+
+def run_records(target: str | None = None, work: str | Path | None = None,
+                repo: str | Path | None = None, *, domains: list[str] | None = None,
+                weights: dict[str, float] | None = None, max_records: int | None = None,
+                chunk: int = 192, home: str | Path | None = None, pid_file: bool = True,
+                batch_scale: float = 1.0, sources: dict[str, list[dict]] | None = None,
+                legacy: list[dict] | None = None) -> dict:
+    """Generate records until every source is done (or ``max_records``); returns the counts.
+
+    ``sources`` (by domain) replaces the built-in prompt sources (tests, other targets);
+    ``legacy`` lists records kept elsewhere that count as done.
+    """
+    from ..target import load_target, target_parts
+    from .capture import RolloutEngine
+    from .dataset import target_fingerprint
+
+    target = str(target or default_target_path())
+    home = Path(home) if home is not None else cache_dir()
+    work = Path(work) if work is not None else default_work()
+    repo = Path(repo) if repo is not None else (default_repo() if sources is None else None)
+    model, tokenizer = load_target(target)
+    parts = target_parts(model)
+    config_path = Path(target) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    store = ShardStore(work, target_fingerprint(parts, config), repo, SHARD_SIZES)
+    home.mkdir(parents=True, exist_ok=True)
+    pause, stop = home / "PAUSE", home / "STOP"
+    if pid_file:
+        _write_json(home / "datagen.pid.json", {"pid": os.getpid(), "started": time.time()})
+        (home / "datagen.pid").write_text(f"{os.getpid()}\n")
+    legacy = legacy_records() if legacy is None else legacy
+    legacy_ids = {str(r["id"]) for r in legacy}
+    legacy_keys = {prompt_key(r["prompt_ids"]) for r in legacy}
+    if sources is None:
+        chat_done = [r for r in legacy if r.get("domain") == "chat"]
+        for folder in [work] + ([repo] if repo is not None and repo.is_dir() else []):
+            chat_done += [r for r in iter_records(folder)
+                          if r.get("domain") == "chat" and r.get("messages")
+                          and sum(m["role"] == "user" for m in r["messages"]) < 3]
+        magpie = sorted((default_repo() / "prompts").glob("magpie-*.jsonl.gz"))
+        magpie += sorted((REPO / "datasets" / PAIR).glob("chat-prompts.jsonl.gz"))
+        sources = build_sources(tokenizer, gsm8k=gsm8k_path(), chat_records=chat_done,
+                                magpie_files=magpie, heldout_files=heldout_paths(),
+                                split_files=split_paths(),
+                                domains=domains, files=stdlib_files(), log=log)
+    elif domains:
+        sources = {d: v for d, v in sources.items() if d in domains}
+    queue = interleave(sources, weights or WEIGHTS)
+    todo = [it for it in queue if not store.is_done(it["id"]) and it["id"] not in legacy_ids]
+    log(f"records: {len(queue)} prompts, {len(queue) - len(todo)} done, {len(todo)} to go; "
+        f"{store.status()['total']} records in shards -> {work}")
+    made = 0
+    stats = {"started": time.time(), "made": 0, "by_domain": {}, "tokens": 0}
+    cpu0, wall0 = time.process_time(), time.time()
+    stopped = False
+
+    def status(done: bool = False) -> dict:
+        cpu = time.process_time() - cpu0
+        wall = time.time() - wall0
+        stats.update(made=made, cpu_s=round(cpu, 1), wall_s=round(wall, 1),
+                     records_per_cpu_hour=round(made / cpu * 3600, 1) if cpu else None,
+                     records_per_wall_hour=round(made / wall * 3600, 1) if wall else None,
+                     finished=done, store=store.status(), pid=os.getpid(), updated=time.time())
+        _write_json(work / "status.json", stats)
+        return stats
+
+    try:
+        for start in range(0, len(todo), chunk):
+            _wait_while_paused(pause)
+            if stop.exists() or (max_records is not None and made >= max_records):
+                stopped = True
+                break
+            buckets: dict[int, list[tuple]] = {}
+            items = {}
+            for it in todo[start:start + chunk]:
+                ids = encode_prompt(tokenizer, it)
+                key = prompt_key(ids)
+                if store.is_done(it["id"], ids) or key in legacy_keys:
+                    continue
+                budget = min(int(it.get("max_tokens") or 384), CONTEXT - len(ids))
+                if budget < 16:
+                    continue  # no room to answer within the target's context
+                legacy_keys.add(key)  # the same prompt twice in this chunk is made once
+                items[it["id"]] = it
+                buckets.setdefault(_bucket(len(ids) + budget), []).append(
+                    (it["id"], ids, budget))
+            for b, batch in sorted(buckets.items()):
+                size = max(1, int(BUCKETS[b][1] * batch_scale))
+                engine = RolloutEngine(parts, taps=[], max_tokens=CONTEXT, batch_size=size,
+                                       stop_ids=tokenizer.eos_token_ids, temperature=0.0,
+                                       capture=False)
+                for r in engine.run(batch):
+                    it = items[r.id]
+                    rec = {"id": r.id, "domain": it["domain"], "source": it.get("source"),
+                           "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+                           "finish_reason": r.finish_reason}
+                    if it["domain"] == "chat":  # a conversation can be continued
+                        rec["messages"] = it["messages"]
+                    sealed = store.append(rec)
+                    made += 1
+                    d = stats["by_domain"]
+                    d[it["domain"]] = d.get(it["domain"], 0) + 1
+                    stats["tokens"] += len(r.prompt_ids) + len(r.response_ids)
+                    if sealed is not None:
+                        log(f"records: sealed {sealed.name}")
+                    if made % 16 == 0:
+                        s = status()
+                        log(f"records: {made} made ({s['records_per_cpu_hour']}/CPU-h, "
+                            f"{s['records_per_wall_hour']}/h), {s['store']['total']} in shards")
+                    _wait_while_paused(pause)
+                    if max_records is not None and made >= max_records:
+                        break
+                if max_records is not None and made >= max_records:
+                    break
+        status(done=not stopped)
+    finally:
+        store.close()
+    log(f"records: {made} records made this run; {store.status()['total']} in shards")
+    return stats
+
+
+def write_heldout(out: str | Path | None = None, target: str | None = None) -> list[Path]:
+    """Write the agent and long-context held-out splits (refusing to change existing ones)."""
+    from transformers import AutoTokenizer
+
+    out = Path(out) if out is not None else REPO / "datasets" / PAIR / "heldout"
+    tokenizer = AutoTokenizer.from_pretrained(str(target or default_target_path()))
+    sets = heldout_sets(tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, items in sets.items():
+        path = out / f"{name}.jsonl"
+        text = "".join(json.dumps(it) + "\n" for it in items)
+        if path.is_file() and path.read_text() != text:
+            raise DataSetError(f"{path}: already written with other prompts; held-out splits are "
+                               "fixed once (remove it only if nothing was measured on it)")
+        _write_json_text(path, text)
+        written.append(path)
+        log(f"records: {len(items)} held-out {name} prompts -> {path}")
+    return written
+
+
+def _write_json_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (wired into ``dflash records`` by dflash/cli.py)
+
+
+def add_records_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("action", choices=("run", "status", "publish", "heldout"),
+                   help="run: generate (resumable); status: counts; publish: copy sealed shards "
+                        "into the repository; heldout: write the agent/long held-out splits")
+    p.add_argument("--target", help="mlx-lm target folder (default: the built-in SmolLM2 target)")
+    p.add_argument("--work", default=None,
+                   help="shard work folder (default $DFLASH_HOME/shards/smollm2)")
+    p.add_argument("--repo", default=None,
+                   help="the repository's shard folder (default datasets/smollm2/shards)")
+    p.add_argument("--domains", default=None,
+                   help="comma-separated subset of " + ",".join(WEIGHTS))
+    p.add_argument("--weights", default=None,
+                   help="domain weights, e.g. chat=0.4,code=0.3 (default " +
+                        ",".join(f"{k}={v}" for k, v in WEIGHTS.items()) + ")")
+    p.add_argument("--max-records", type=int, default=None, help="stop after N new records")
+    p.add_argument("--chunk", type=int, default=192,
+                   help="prompts read per round (then split by length into batches)")
+    p.add_argument("--no-pid-file", dest="pid_file", action="store_false")
+    return p
+
+
+def _parse_weights(text: str | None) -> dict[str, float] | None:
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise DFlashError(f"--weights {text!r}: expected name=number pairs") from None
+    return out
+
+
+def run_records_cli(args: argparse.Namespace):
+    work = Path(args.work) if args.work else default_work()
+    repo = Path(args.repo) if args.repo else default_repo()
+    if args.action == "heldout":
+        return write_heldout(target=args.target)
+    if args.action == "publish":
+        new = publish(work, repo)
+        for path in new:
+            log(f"records: published {path}")
+        log(f"records: {len(new)} new sealed shards in {repo}")
+        return repo
+    if args.action == "status":
+        from .shards import read_manifest
+
+        manifest = read_manifest(work)
+        print(json.dumps({"work": str(work), "manifest": {
+            "target_fingerprint": manifest["target_fingerprint"],
+            "shards": len(manifest["shards"]),
+            "records": sum(e["count"] for e in manifest["shards"].values())},
+            "status": json.loads((work / "status.json").read_text())
+            if (work / "status.json").is_file() else None}, indent=1))
+        return work
+    domains = [d.strip() for d in args.domains.split(",")] if args.domains else None
+    return run_records(args.target, work, repo, domains=domains,
+                       weights=_parse_weights(args.weights), max_records=args.max_records,
+                       chunk=args.chunk, pid_file=args.pid_file)
+
+
+__all__ = ["run_records", "write_heldout", "add_records_args", "run_records_cli"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dflash.training.records ACTION``: the same as ``dflash records ACTION``, for
+    the background job (it imports only the training side of the package)."""
+    p = argparse.ArgumentParser(prog="dflash records", description=__doc__.splitlines()[0])
+    run_records_cli(add_records_args(p).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
