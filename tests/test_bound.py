@@ -79,3 +79,35 @@ def test_a_run_that_did_not_verify_whole_blocks_is_refused(tmp_path, config):
     path.write_text(json.dumps(bench_json(**config)))
     with pytest.raises(DataSetError, match="not a whole-block run"):
         bound.read_whole_block_run(path)
+
+
+def test_the_command_refuses_a_run_that_was_not_whole_block(tmp_path, capsys):
+    from dflash import cli
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench_json(policy="auto")))
+    assert cli.main(["bench", "--bound", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "config.policy 'auto'" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_the_bound_of_a_real_whole_block_run(tiny_pair, tmp_path):
+    import subprocess
+    import sys
+
+    target, draft = tiny_pair("llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in [
+        ("gsm8k-0", "The sea is"), ("HumanEval/0", "def add(a, b):")]))
+    models = ["--model", str(target), "--draft", str(draft)]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dflash", "bench", *models, *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=600)
+    p = run("--prompts", str(prompts), "--policy", "fixed", "--min-confidence", "0",
+            "--block-size", "4", "--max-tokens", "12", "--out", str(tmp_path / "whole"))
+    assert p.returncode == 0, p.stderr
+    p = run("--bound", str(tmp_path / "whole" / "bench.json"))
+    assert p.returncode == 0, p.stderr
+    rows = [line.split("|")[1].strip() for line in p.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| domain")]
+    assert rows == ["gsm8k", "code", "all"]
