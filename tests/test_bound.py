@@ -101,8 +101,11 @@ def test_the_bound_of_a_real_whole_block_run(tiny_pair, tmp_path):
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in [
         ("gsm8k-0", "The sea is"), ("HumanEval/0", "def add(a, b):")]))
     models = ["--model", str(target), "--draft", str(draft)]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "dflash", "bench", *models, *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=600)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "dflash", "bench", *models, *args],
+                              capture_output=True, text=True, timeout=600)
+
     p = run("--prompts", str(prompts), "--policy", "fixed", "--min-confidence", "0",
             "--block-size", "4", "--max-tokens", "12", "--out", str(tmp_path / "whole"))
     assert p.returncode == 0, p.stderr
