@@ -111,7 +111,8 @@ def run_records(target: str | None = None, work: str | Path | None = None,
                 weights: dict[str, float] | None = None, max_records: int | None = None,
                 chunk: int = 192, home: str | Path | None = None, pid_file: bool = True,
                 batch_scale: float = 1.0, sources: dict[str, list[dict]] | None = None,
-                legacy: list[dict] | None = None) -> dict:
+                legacy: list[dict] | None = None,
+                prompt_files: list[tuple[str, Path]] | None = None) -> dict:
     """Generate records until every source is done (or ``max_records``); returns the counts.
 
     ``sources`` (by domain) replaces the built-in prompt sources (tests, other targets);
@@ -148,11 +149,14 @@ def run_records(target: str | None = None, work: str | Path | None = None,
         magpie += sorted((REPO / "datasets" / PAIR).glob("chat-prompts.jsonl.gz"))
         sources = build_sources(tokenizer, gsm8k=gsm8k_path(), chat_records=chat_done,
                                 magpie_files=magpie, heldout_files=heldout_paths(),
-                                split_files=split_paths(),
+                                split_files=split_paths(), prompt_files=prompt_files or (),
                                 domains=domains, files=stdlib_files(), log=log)
     elif domains:
         sources = {d: v for d, v in sources.items() if d in domains}
-    queue = interleave(sources, weights or WEIGHTS)
+    weights = dict(weights or WEIGHTS)
+    for domain in sources:
+        weights.setdefault(domain, min(WEIGHTS.values()))  # a user's own domain
+    queue = interleave(sources, weights)
     todo = [it for it in queue if not store.is_done(it["id"]) and it["id"] not in legacy_ids]
     log(f"records: {len(queue)} prompts, {len(queue) - len(todo)} done, {len(todo)} to go; "
         f"{store.status()['total']} records in shards -> {work}")
@@ -184,9 +188,11 @@ def run_records(target: str | None = None, work: str | Path | None = None,
                 key = prompt_key(ids)
                 if store.is_done(it["id"], ids) or key in legacy_keys:
                     continue
-                budget = min(int(it.get("max_tokens") or 384), CONTEXT - len(ids))
-                if budget < 16:
+                want = int(it.get("max_tokens") or 384)
+                room = CONTEXT - len(ids)
+                if room < min(16, want):
                     continue  # no room to answer within the target's context
+                budget = min(want, room)
                 legacy_keys.add(key)  # the same prompt twice in this chunk is made once
                 items[it["id"]] = it
                 buckets.setdefault(_bucket(len(ids) + budget), []).append(
@@ -271,6 +277,8 @@ def add_records_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None,
                    help="domain weights, e.g. chat=0.4,code=0.3 (default " +
                         ",".join(f"{k}={v}" for k, v in WEIGHTS.items()) + ")")
+    p.add_argument("--prompts", action="append", default=[], metavar="DOMAIN=FILE",
+                   help="also a JSONL prompt file of your own, tagged DOMAIN (repeatable)")
     p.add_argument("--max-records", type=int, default=None, help="stop after N new records")
     p.add_argument("--chunk", type=int, default=192,
                    help="prompts read per round (then split by length into batches)")
@@ -314,9 +322,17 @@ def run_records_cli(args: argparse.Namespace):
             if (work / "status.json").is_file() else None}, indent=1))
         return work
     domains = [d.strip() for d in args.domains.split(",")] if args.domains else None
+    files = []
+    for spec in args.prompts:
+        domain, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise DFlashError(f"--prompts {spec!r}: expected DOMAIN=FILE")
+        files.append((domain, Path(path)))
+    if domains is not None:
+        domains += [d for d, _ in files if d not in domains]
     return run_records(args.target, work, repo, domains=domains,
                        weights=_parse_weights(args.weights), max_records=args.max_records,
-                       chunk=args.chunk, pid_file=args.pid_file)
+                       chunk=args.chunk, pid_file=args.pid_file, prompt_files=files)
 
 
 __all__ = ["run_records", "write_heldout", "add_records_args", "run_records_cli"]

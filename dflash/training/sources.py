@@ -81,7 +81,7 @@ def heldout_file(rel: str, text: str = "") -> bool:
 def _item(item_id: str, domain: str, source: str, messages: list[dict],
           max_tokens: int | None = None) -> dict:
     return {"id": item_id, "domain": domain, "source": source, "messages": messages,
-            "max_tokens": max_tokens or MAX_TOKENS[domain]}
+            "max_tokens": max_tokens or MAX_TOKENS.get(domain, 384)}
 
 
 def _user(text: str) -> list[dict]:
@@ -399,17 +399,27 @@ def magpie_prompts(paths: Iterable[Path]) -> list[dict]:
     """User turns the target wrote itself (``dflash magpie`` files, plain or gzip)."""
     items = []
     for path in paths:
-        opener = gzip.open if str(path).endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    raise DataSetError(f"{path}:{lineno}: not valid JSON") from None
-                items.append(_item(f"chat-magpie-{row['id']}", "chat", "magpie",
-                                   row["messages"]))
+        for lineno, row in enumerate(read_jsonl_any(path), 1):
+            if not isinstance(row.get("messages"), list) or "id" not in row:
+                raise DataSetError(f"{path}: record {lineno}: needs `id` and `messages` "
+                                   "(written by `dflash magpie`)")
+            items.append(_item(f"chat-magpie-{row['id']}", "chat", "magpie", row["messages"]))
+    return items
+
+
+def file_prompts(path: Path, domain: str) -> list[dict]:
+    """A user's own JSONL prompt file (read by :func:`dflash.prompts.read_prompts`, which names
+    a bad line), all in ``domain``."""
+    from ..prompts import read_prompts
+
+    if not re.fullmatch(r"[a-z0-9_]+", domain):
+        raise DataSetError(f"--prompts {domain}={path}: the domain must be lowercase letters, "
+                           "digits or _")
+    items = []
+    for it in read_prompts(path):
+        messages = it.get("messages") or _user(it["prompt"])
+        items.append(_item(f"{domain}-file-{it['id']}", domain, f"file:{Path(path).name}",
+                           messages, max_tokens=MAX_TOKENS.get(domain, 384)))
     return items
 
 
@@ -427,7 +437,11 @@ def math_sources(gsm8k: Path | None) -> list[dict]:
         for lineno, line in enumerate(f, 1):
             if lineno > GSM8K_TRAIN_PART:
                 break
-            q = json.loads(line)["question"]
+            try:
+                q = json.loads(line)["question"]
+            except (ValueError, KeyError, TypeError):
+                raise DataSetError(f"{gsm8k}:{lineno}: expected a JSON object with `question` "
+                                   "(the GSM8K layout)") from None
             items.append(_item(f"gsm8k-train-part-{lineno}", "math", "gsm8k", _user(q)))
     return items
 
@@ -704,9 +718,22 @@ def humaneval_texts() -> list[str]:
 
 
 def read_jsonl_any(path: Path) -> list[dict]:
+    """A JSONL file (plain or gzip) of objects; a bad line raises naming the file and line."""
+    rows = []
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataSetError(f"{path}:{lineno}: not valid JSON ({e}); prompt files are "
+                                   "JSONL, one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise DataSetError(f"{path}:{lineno}: expected a JSON object")
+            rows.append(row)
+    return rows
 
 
 def heldout_texts(paths: Iterable[Path], gsm8k: Path | None = None) -> list[str]:
@@ -744,7 +771,7 @@ def heldout_sets(tokenizer, files: list[tuple[str, str]] | None = None,
 
 def build_sources(tokenizer, *, gsm8k: Path | None, chat_records: Iterable[dict] = (),
                   magpie_files: Iterable[Path] = (), heldout_files: Iterable[Path] = (),
-                  split_files: Iterable[Path] = (),
+                  split_files: Iterable[Path] = (), prompt_files: Iterable[tuple[str, Path]] = (),
                   domains: Iterable[str] | None = None, files: list[tuple[str, str]] | None = None,
                   log: Callable[[str], None] = lambda s: None) -> dict[str, list[dict]]:
     """Every training prompt, by domain, in a stable order, overlap-filtered.
@@ -767,6 +794,9 @@ def build_sources(tokenizer, *, gsm8k: Path | None, chat_records: Iterable[dict]
         out["long"] = long_sources(files, tokenizer)
     if "math" in domains:
         out["math"] = math_sources(gsm8k)
+    for domain, path in prompt_files:
+        out.setdefault(domain, [])
+        out[domain] += file_prompts(Path(path), domain)
     held = heldout_texts(heldout_files, gsm8k)
     exact = {t.strip() for t in heldout_texts(split_files)}
     general = OverlapFilter(held)
