@@ -304,3 +304,26 @@ def test_records_job_pauses_and_resumes_after_a_kill(target, tmp_path):
     ids = [x["id"] for x in after]
     assert len(ids) == len(set(ids)) >= len(before) + 8
     assert {x["id"] for x in before} <= set(ids)
+
+
+def test_magpie_steering_shapes_turns_without_being_kept(target, tmp_path, monkeypatch):
+    from dflash.training import magpie
+
+    seen_headers = []
+    real_header = magpie.user_header
+
+    def spy(tokenizer, history=None):
+        seen_headers.append(history)
+        return real_header(tokenizer, history)
+
+    monkeypatch.setattr(magpie, "user_header", spy)
+    monkeypatch.setattr(magpie, "clean_turn", lambda text: f"turn {len(seen_headers)} {text!r}")
+    from dflash.training.capture import RolloutEngine  # a random model never ends a turn
+    monkeypatch.setattr(RolloutEngine, "_finished",
+                        lambda self, seq: "stop" if len(seq.response) >= 3 else None)
+    out, _ = magpie.write_user_turns(str(target), tmp_path / "m.jsonl", 4, max_tokens=4,
+                                     batch_size=4, steer=["in French", "in German"],
+                                     prefix="magpie", heldout_percent=0.0)
+    assert {h[0]["content"] for h in seen_headers} == {"in French", "in German"}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all([m["role"] for m in r["messages"]] == ["user"] for r in rows)

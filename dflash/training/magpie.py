@@ -120,9 +120,13 @@ def _append(path: Path, rows: list[dict]) -> None:
 def write_user_turns(target: str, out: str | Path, n: int, *, seed: int = 0,
                      temperature: float = 1.0, max_tokens: int = 128, batch_size: int = 32,
                      heldout_percent: float = 5.0, followups_of: str | Path | None = None,
-                     prefix: str = "chat", max_attempts: int | None = None) -> tuple[Path, Path]:
+                     prefix: str = "chat", max_attempts: int | None = None,
+                     steer: list[str] | None = None) -> tuple[Path, Path]:
     """Append up to ``n`` new filtered user turns: training prompts to ``out``, held-out ones to
     ``out`` with ``-heldout`` before the suffix. Returns both paths.
+
+    ``steer``: system texts (e.g. a language, a length, a topic) placed before the user header
+    in turn to vary what the target writes; they shape the turn only and are not kept in it.
 
     Gives up after ``max_attempts`` sampled turns (default ``20 * n + 64``): a target that does not
     write usable user turns raises :class:`DataSetError` instead of looping forever."""
@@ -167,6 +171,8 @@ def write_user_turns(target: str, out: str | Path, n: int, *, seed: int = 0,
         batch = []
         for k in range(attempt, attempt + want):
             history = histories[k % len(histories)]
+            if steer:
+                history = [{"role": "system", "content": steer[k % len(steer)]}] + history
             batch.append((str(k), user_header(tokenizer, history)))
         engine = RolloutEngine(parts, taps=[], max_tokens=max_tokens, batch_size=batch_size,
                                stop_ids=tokenizer.eos_token_ids, temperature=temperature,

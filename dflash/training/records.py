@@ -111,7 +111,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
                 weights: dict[str, float] | None = None, max_records: int | None = None,
                 chunk: int = 192, home: str | Path | None = None, pid_file: bool = True,
                 batch_scale: float = 1.0, sources: dict[str, list[dict]] | None = None,
-                legacy: list[dict] | None = None,
+                legacy: list[dict] | None = None, magpie: int = 0,
                 prompt_files: list[tuple[str, Path]] | None = None) -> dict:
     """Generate records until every source is done (or ``max_records``); returns the counts.
 
@@ -136,6 +136,8 @@ def run_records(target: str | None = None, work: str | Path | None = None,
     if pid_file:
         _write_json(home / "datagen.pid.json", {"pid": os.getpid(), "started": time.time()})
         (home / "datagen.pid").write_text(f"{os.getpid()}\n")
+    if magpie and sources is None:
+        magpie_stage(target, magpie, home=home, repo=repo or default_repo(), pause=pause)
     legacy = legacy_records() if legacy is None else legacy
     legacy_ids = {str(r["id"]) for r in legacy}
     legacy_keys = {prompt_key(r["prompt_ids"]) for r in legacy}
@@ -232,6 +234,41 @@ def run_records(target: str | None = None, work: str | Path | None = None,
     return stats
 
 
+def magpie_stage(target: str, n: int, *, home: Path, repo: Path, pause: Path,
+                 seed: int = 30, step: int = 64) -> Path | None:
+    """Top the target's own user turns up to ``n`` (``dflash magpie``, steered by language,
+    length and area), pausable between steps, then keep them once: the training turns as
+    ``<repo>/prompts/magpie-0001.jsonl.gz``, the held-out 5 % as
+    ``datasets/<pair>/heldout/chat-magpie-0001.jsonl``. Skipped when the file exists."""
+    from .magpie import write_user_turns
+    from .shards import _write_atomic
+    from .sources import magpie_steer, read_jsonl_any
+
+    final = repo / "prompts" / "magpie-0001.jsonl.gz"
+    if final.is_file():
+        return final
+    work = home / "shards" / PAIR / "prompts"
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "magpie-0001.jsonl"
+    held = out.with_name(out.stem + "-heldout" + out.suffix)
+
+    def have() -> int:
+        return sum(len(read_jsonl_any(p)) for p in (out, held) if p.is_file())
+
+    while (left := n - have()) > 0:
+        _wait_while_paused(pause)
+        write_user_turns(target, out, min(step, left), seed=seed, steer=magpie_steer(),
+                         prefix="magpie", batch_size=64)
+    rows = read_jsonl_any(out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(final, gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(),
+                                       mtime=0))
+    held_final = REPO / "datasets" / PAIR / "heldout" / "chat-magpie-0001.jsonl"
+    _write_json_text(held_final, held.read_text() if held.is_file() else "")
+    log(f"records: {len(rows)} magpie turns -> {final}; held out -> {held_final}")
+    return final
+
+
 def write_heldout(out: str | Path | None = None, target: str | None = None) -> list[Path]:
     """Write the agent and long-context held-out splits (refusing to change existing ones)."""
     from transformers import AutoTokenizer
@@ -280,6 +317,10 @@ def add_records_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prompts", action="append", default=[], metavar="DOMAIN=FILE",
                    help="also a JSONL prompt file of your own, tagged DOMAIN (repeatable)")
     p.add_argument("--max-records", type=int, default=None, help="stop after N new records")
+    p.add_argument("--magpie", type=int, default=0, metavar="N",
+                   help="first write N chat user turns with the target (`dflash magpie`, steered "
+                        "by language, length and area), kept once in the repository; skipped "
+                        "when they are there")
     p.add_argument("--chunk", type=int, default=192,
                    help="prompts read per round (then split by length into batches)")
     p.add_argument("--no-pid-file", dest="pid_file", action="store_false")
@@ -332,7 +373,8 @@ def run_records_cli(args: argparse.Namespace):
         domains += [d for d, _ in files if d not in domains]
     return run_records(args.target, work, repo, domains=domains,
                        weights=_parse_weights(args.weights), max_records=args.max_records,
-                       chunk=args.chunk, pid_file=args.pid_file, prompt_files=files)
+                       chunk=args.chunk, pid_file=args.pid_file, prompt_files=files,
+                       magpie=args.magpie)
 
 
 __all__ = ["run_records", "write_heldout", "add_records_args", "run_records_cli"]

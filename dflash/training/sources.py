@@ -378,6 +378,28 @@ def chat_templates() -> list[dict]:
     return items
 
 
+MAGPIE_LANGUAGES = ["English", "English", "English", "English", "French", "Spanish", "German",
+                    "Italian", "Portuguese"]
+MAGPIE_LENGTHS = ["a short question of one sentence", "a request of two or three sentences",
+                  "a detailed request with some background about their situation",
+                  "a question that asks for a list or a step-by-step answer"]
+MAGPIE_AREAS = ["cooking", "travel", "science", "history", "health", "work and careers",
+                "writing", "money", "relationships", "education", "technology", "hobbies",
+                "sports", "music", "art", "nature", "language learning", "home and garden",
+                "philosophy", "current everyday problems"]
+
+
+def magpie_steer() -> list[str]:
+    """System texts that vary the user turns the target writes (``dflash magpie``): language,
+    length and area; they shape the turn only and are not kept in the prompt."""
+    out = []
+    for i, area in enumerate(MAGPIE_AREAS):
+        for j, length in enumerate(MAGPIE_LENGTHS):
+            lang = MAGPIE_LANGUAGES[(i * 5 + j * 3) % len(MAGPIE_LANGUAGES)]
+            out.append(f"The user writes {length} about {area}, in {lang}.")
+    return out
+
+
 def chat_followups(records: Iterable[dict], tokenizer) -> list[dict]:
     """Second (or later) turns after the target's own finished answers to earlier chat records."""
     items = []
