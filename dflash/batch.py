@@ -23,19 +23,20 @@ Design:
   long prompt costs the others one chunk per cycle. (Prefilling several prompts in one padded
   pass was measured no faster on the CPU than one after another, so prompts stay alone.)
 * **A lone sequence** (one row, nothing waiting) decodes with the single-sequence engine's own
-  cycle (:func:`~dflash.speculative._speculative_step`: its verify policy, draft trees,
+  cycle (:func:`~dflash.speculative.speculative_step`: its verify policy, draft trees,
   pipelined plain steps) on ordinary caches taken from the batch's one row, and goes back into
   the batch as row 0 when another sequence joins; the state it carries (policy statistics,
   acceptance calibration, sampler, stats) is the same object in both. Hybrid targets too: the
   GatedDeltaNet row becomes an ``ArraysCache`` (chains: trees need attention-only targets).
 * **Verify width across the batch.** A ``(B, n)`` pass costs ``B * n`` rows however they are
   shared, so every sequence verifies up to ``n - 1`` proposals (fewer near its ``max_tokens``)
-  and the policy chooses ``n``: :func:`~dflash.verify_policy.batch_width` maximises expected
+  and the policy chooses ``n``: :func:`~dflash.policy.batch.batch_width` maximises expected
   committed tokens per millisecond under the measured cost model, from each sequence's own
-  calibrated acceptance (its :class:`~dflash.verify_policy.VerifyPolicy`'s
-  ``AcceptanceModel``). ``n = 1`` is plain batched decoding, without a drafter pass: as the batch
-  grows, ``verify(B * n)`` grows and plain steps win by themselves. When speculation loses, plain
-  steps run for a stretch that doubles while it keeps losing, then one cycle probes again.
+  calibrated acceptance (its :class:`~dflash.policy.auto.AutoPolicy`). ``n = 1`` is plain
+  batched decoding, without a drafter pass: as the batch grows, ``verify(B * n)`` grows and plain
+  steps win by themselves. When speculation loses, plain
+  steps run for a stretch that doubles while it keeps losing, then one cycle probes again (the
+  single-sequence back-off, :class:`~dflash.policy.batch.BatchPolicy`).
   ``policy="fixed"`` verifies the whole block. Chains only: trees are for a lone sequence.
 * **Continuations.** Under ``auto`` a row may verify its own context's continuation
   (:mod:`dflash.lookup`) instead of its drafted block, where that is expected to commit more;
@@ -73,18 +74,26 @@ from .console import log
 from .cost_model import cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
+from .policy import (
+    Chain,
+    Continuation,
+    Outcome,
+    Plain,
+    check_policy,
+    draft_candidates,
+    make_batch_policy,
+    policy_class,
+)
 from .prompt_cache import PromptCache
 from .ragged_cache import RaggedArraysCache, RaggedKVCache
 from .sampling import _is_int, check_decode_settings
 from .speculative import (
     DecodeRequest,
     DecodeState,
+    Detokenizer,
     DFlashResponse,
     GenerationResult,
     StepResult,
-    _Detokenizer,
-    _snapshot,
-    _speculative_step,
     build_request,
     count_step,
     emit,
@@ -92,6 +101,8 @@ from .speculative import (
     new_state,
     prefill_chunk,
     run_request,
+    snapshot,
+    speculative_step,
 )
 from .target import (
     VerifyTrace,
@@ -100,15 +111,6 @@ from .target import (
     make_cache,
     rollback_rows,
     target_parts,
-)
-from .verify_policy import (
-    MARGIN,
-    MAX_BACKOFF,
-    Plan,
-    batch_width,
-    check_policy,
-    draft_candidates,
-    expected_tokens,
 )
 
 # Settings of the whole engine (given to BatchGenerator), not of one request.
@@ -121,7 +123,6 @@ ENGINE_SETTING_HOME = {"block_size": "BatchGenerator(block_size=...)",
 REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).parameters
                          if name not in ("parts", "draft", "tokenizer", "prompt")
                          and name not in ENGINE_SETTINGS)
-BATCHED_POLICIES = ("auto", "fixed")
 # Most plain one-token steps a lone sequence takes in one engine step (the single-sequence policy
 # backs off for up to MAX_BACKOFF): a request arriving meanwhile waits at most these.
 LONE_STRETCH = 16
@@ -142,12 +143,30 @@ class BatchEvent:
 
 
 @dataclass
+class _PassPlan:
+    """What one batched pass verifies: each row's continuation (``looks``: tokens and n-gram
+    order) and its calibrated acceptance (``looked``: ``None`` where it has none), the drafter's
+    pass (``drafted_rows``: 0 for none; its scores, top log-probabilities and tokens), the verify
+    ``width`` (anchor included) and which rows verify their continuation (``use_look``)."""
+
+    looks: list[tuple[list[int], int]]
+    looked: list[np.ndarray | None]
+    drafted_rows: int = 0
+    scores: mx.array | None = None
+    columns: mx.array | None = None
+    log_conf: list[np.ndarray] | None = None
+    top_ids: np.ndarray | None = None
+    width: int = 1
+    use_look: list[bool] | None = None
+
+
+@dataclass
 class _Sequence:
     uid: int
     request: DecodeRequest
     state: DecodeState | None  # None in the one-at-a-time fallback (its stream keeps one)
     stats: DFlashResponse
-    detok: _Detokenizer
+    detok: Detokenizer
     cache: list | None = None  # its own caches while it prefills
     dcache: list | None = None
     prefilled: int = 0
@@ -195,12 +214,9 @@ class BatchGenerator:
             log(f"dflash: {self.fallback}; decoding the batch one sequence at a time")
         elif self.max_batch == 1:  # never a batch: the single-sequence engine (trees included)
             self.fallback = "max_batch=1"
-        elif policy not in BATCHED_POLICIES:
-            raise GenerationConfigError(
-                f"policy={policy!r}: the batched engine verifies chains with "
-                f"{' or '.join(repr(p) for p in BATCHED_POLICIES)}")
-        self.cost = cost_model(self.parts, draft) if policy == "auto" and not self.fallback \
-            else None
+        # How the batch speculates (the same back-off as one sequence); None: not batched.
+        self.speculation = None if self.fallback else make_batch_policy(
+            policy, cost_model(self.parts, draft) if policy_class(policy).needs_cost else None)
         # Shared prefixes (system prompts, earlier turns): each prompt is prefilled alone, so it
         # can start from the caches of the last prompt prefilled (see PromptCache.take).
         self.prompt_cache = prompt_cache
@@ -210,12 +226,19 @@ class BatchGenerator:
         self.cache = [RaggedKVCache() if type(c) is KVCache else RaggedArraysCache()
                       for c in make_cache(self.parts)]
         self.dcache = [RaggedKVCache() for _ in draft.layers]
-        self.widths: deque[int] = deque(maxlen=8)  # verify widths of recent speculative passes
-        self.backoff = self.losses = 0
-        self.probe = False
         self.cancelled: set[int] = set()
         self.next_uid = 0
         self.stalled = 0  # prompt tokens prefilled since the last decode cycle
+
+    @property
+    def cost(self):
+        """The cost model the batch and its sequences' policies decide with (``None``: none)."""
+        return None if self.speculation is None else self.speculation.cost
+
+    @cost.setter
+    def cost(self, cost) -> None:
+        if self.speculation is not None:
+            self.speculation.cost = cost
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -242,7 +265,7 @@ class BatchGenerator:
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),
-                                    _Detokenizer(self.tokenizer, request.stops)))
+                                    Detokenizer(self.tokenizer, request.stops)))
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -332,15 +355,15 @@ class BatchGenerator:
         self.cancelled = set()
         for seq in [s for s in self.queue if s.uid in gone]:
             self.queue.remove(seq)
-            self._event(seq, _snapshot(seq.stats, "", [], "cancelled"), events)
+            self._event(seq, snapshot(seq.stats, "", [], "cancelled"), events)
         if self.prefilling is not None and self.prefilling.uid in gone:
             seq, self.prefilling = self.prefilling, None
-            self._event(seq, _snapshot(seq.stats, "", [], "cancelled"), events)
+            self._event(seq, snapshot(seq.stats, "", [], "cancelled"), events)
         for seq in self.rows:
             if seq.uid in gone:
                 if seq.stream is not None:
                     seq.stream.close()
-                self._event(seq, _snapshot(seq.stats, "", [], "cancelled"), events)
+                self._event(seq, snapshot(seq.stats, "", [], "cancelled"), events)
         self._keep([i for i, s in enumerate(self.rows) if s.uid not in gone])
 
     def _keep(self, rows: list[int]) -> None:
@@ -375,7 +398,7 @@ class BatchGenerator:
             self.prompt_cache.store(self.parts, self.draft, seq.cache, seq.dcache, ids)
             self.prompt_cache.snapshot(len(ids))
         if seq.request.max_tokens == 0:
-            self._event(seq, _snapshot(seq.stats, "", [], "length"), events)
+            self._event(seq, snapshot(seq.stats, "", [], "length"), events)
             return
         token = first_token(seq.request, seq.state, last)
         now = time.perf_counter()
@@ -407,11 +430,9 @@ class BatchGenerator:
         state = self.rows[0].state
         self._add_row(state.cache, state.dcache)
         state.cache = state.dcache = None
-        # The batch judges speculation itself; the lone cycle's last plan is stale there.
-        state.policy.expected = None
 
     def _lone_cycle(self, events: list[BatchEvent]) -> None:
-        """One cycle of the single-sequence engine (:func:`~dflash.speculative._speculative_step`:
+        """One cycle of the single-sequence engine (:func:`~dflash.speculative.speculative_step`:
         its policy, draft trees, pipelined plain steps) for the only sequence, on ordinary
         caches taken from the batch's one row; its state (policy statistics, acceptance
         calibration, sampler, stats) is the one it decodes with in a batch."""
@@ -423,9 +444,9 @@ class BatchGenerator:
         # A long plain stretch goes in pieces, so a request arriving meanwhile waits at most
         # LONE_STRETCH steps for its prefill.
         t0 = time.perf_counter()
-        step = _speculative_step(self.parts, self.draft, seq.request, state,
-                                 min(seq.request.block_size, seq.remaining), seq.remaining,
-                                 max_stretch=LONE_STRETCH)
+        step = speculative_step(self.parts, self.draft, seq.request, state,
+                                min(seq.request.block_size, seq.remaining), seq.remaining,
+                                max_stretch=LONE_STRETCH)
         count_step(seq.stats, state, step, t0, time.perf_counter())
         response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic)
         self._event(seq, response, events)
@@ -434,50 +455,6 @@ class BatchGenerator:
             self.rows = []
 
     # -- one decode cycle for every row -------------------------------------------------------
-
-    def _want_draft(self, context: int, cap: int, looked: list[np.ndarray | None]) -> bool:
-        """Draft this cycle? ``policy="auto"``: while plain steps are predicted to win, no;
-        nor while the rows' continuations (``looked``, without a drafter pass) are."""
-        if cap < 2:
-            return False
-        if self.policy == "fixed":
-            return True
-        if self.backoff:
-            self.backoff -= 1
-            return False
-        if self.probe or any(s.conf is None for s in self.rows):
-            self.probe = False
-            return True
-        rows = self._draft_rows(cap)
-        width, rate = batch_width([s.state.policy.acceptance.predict(s.conf) for s in self.rows],
-                                  self.cost, context, self.cost.draft(len(self.rows) * rows))
-        if any(lp is not None for lp in looked):
-            _, look_rate = batch_width([np.zeros(0) if lp is None else lp for lp in looked],
-                                       self.cost, context, 0.0)
-            if look_rate >= rate:
-                return False
-        if width > 1:
-            return True
-        self._lost()
-        return False
-
-    def _lost(self) -> None:
-        """Speculation lost: plain steps for a stretch that doubles, then a probe."""
-        self.losses += 1
-        self.backoff = min(MAX_BACKOFF, 2 ** self.losses)
-        self.probe = True
-
-    def _draft_rows(self, cap: int) -> int:
-        """Rows of the drafter's block pass (anchor included): the widest recent width plus two,
-        at least 4 (and 4 before any pass: B blocks of a whole block each cost the drafter B
-        times a block, and most of those rows are never verified). Fewer rows (the widest
-        recent width plus one, at least 2) were tried: a pass's width is at most its drafted
-        rows, so the width only ratchets down (at 4 clients 14 % speculative passes instead of
-        33 %), while the batched drafter pass is mostly its fixed part (4 sequences: 2 rows
-        each 12.1 ms, 4 rows 14.5, loaded CPU)."""
-        if self.policy == "fixed":
-            return cap
-        return max(2, min(cap, max(4, max(self.widths, default=0) + 2)))
 
     def _sync_drafter(self) -> None:
         """Give the drafter's context every row's features of the tokens committed since."""
@@ -496,122 +473,124 @@ class BatchGenerator:
             c.set_lengths([n + k for n, k in zip(before, counts)])
 
     def _cycle(self, events: list[BatchEvent]) -> None:
+        """One decode cycle for every row: plan the pass, propose, verify, judge, emit."""
         self._to_batch()  # a lone sequence while another prefills
         t0 = time.perf_counter()
+        context = max(len(s.state.fed) for s in self.rows)  # tokens in the longest row's cache
+        cap = min(self.block_size, max(s.remaining for s in self.rows))
+        plan = self._plan(context, cap)
+        proposals, qs = self._proposals(plan)
+        drafted = time.perf_counter()
+        steps = self._verify(plan, proposals, qs, drafted)
+        self.speculation.judge([(s.state.policy, s.conf) for s in self.rows], plan.use_look,
+                               plan.looked, sum(len(step.tokens) for step in steps), context,
+                               plan.drafted_rows, plan.width)
+        self._emit_all(steps, t0, time.perf_counter(), events)
+
+    def _plan(self, context: int, cap: int) -> _PassPlan:
+        """The pass's width, whether (and how deep) the drafter drafts, and which rows verify
+        their own context's continuation (:mod:`dflash.lookup`: proposals without a drafter
+        pass) instead of a drafted block."""
         rows = self.rows
-        anchors = [s.state.history[-1] for s in rows]
-        context = max(len(s.state.fed) for s in rows)  # tokens in the longest row's cache
-        cap = min(self.block_size, max(s.remaining for s in rows))
-        width, drafted_rows, log_conf = 1, 0, [None] * len(rows)
-        # Each row's own continuation (dflash.lookup), where the policy looks up: proposals that
-        # cost no drafter pass.
         looks = [s.state.lookup.continuation(s.state.history, cap - 1)
-                 if s.state.policy.lookup and cap > 1 else ([], 0) for s in rows]
+                 if s.state.policy.looks_up and cap > 1 else ([], 0) for s in rows]
         looked = [s.state.policy.lookup_expectation(*look) for s, look in zip(rows, looks)]
-        use_look = [False] * len(rows)
-        if self._want_draft(context, cap, looked):
-            self._sync_drafter()
-            drafted_rows = self._draft_rows(cap)
-            # Scores over the draft vocabulary only (as the single-sequence cycle reads them):
-            # no full-vocabulary rows of -inf to scatter into and gather from.
-            scores, columns = self.draft.block_scores_batch(self.parts, anchors, drafted_rows,
-                                                            self.dcache)
-            # Every row's top log-probability and token in one host read (not one per
-            # sequence); greedy proposals are those tokens.
-            batch_rows, block_rows, n_vocab = scores.shape
-            top_lp, top_ids = draft_candidates(scores.reshape(-1, n_vocab), columns, 1)
-            log_conf = list(top_lp[:, 0].reshape(batch_rows, block_rows))
-            top_ids = top_ids[:, 0].reshape(batch_rows, block_rows)
-            for s, lc in zip(rows, log_conf):
-                s.conf = np.exp(lc.astype(np.float64))
-            if self.policy == "fixed":
-                width = drafted_rows
-            else:  # drafting is spent: speculate if verifying beats a plain step now
-                drafted_p = [s.state.policy.acceptance.predict(s.conf) for s in rows]
-                # A row verifies its continuation instead where that is expected to commit more.
-                use_look = [lp is not None and expected_tokens(lp)[-1] > expected_tokens(dp)[-1]
-                            for lp, dp in zip(looked, drafted_p)]
-                width, _ = batch_width(
-                    [lp if u else dp for u, lp, dp in zip(use_look, looked, drafted_p)],
-                    self.cost, context, 0.0)
-                if width == 1:
-                    self._lost()
-        elif self.policy == "auto" and any(lp is not None for lp in looked):
-            # No drafting this cycle: verify the rows' continuations where they beat a plain
-            # batched step (a row without one takes a plain step in the same pass).
-            use_look = [lp is not None for lp in looked]
-            width, _ = batch_width([lp if lp is not None else np.zeros(0) for lp in looked],
-                                   self.cost, context, 0.0)
-        # Each row: its anchor and up to width - 1 proposals (padding after them is never read).
+        plan = _PassPlan(looks, looked)
+        speculation = self.speculation
+        if speculation.want_draft([(s.state.policy, s.conf) for s in rows], looked, context,
+                                  cap):
+            plan.drafted_rows = speculation.draft_rows(cap)
+            self._draft(plan)
+            plan.width, plan.use_look = speculation.width_after_draft(
+                [(s.state.policy, s.conf) for s in rows], looked, context, plan.drafted_rows)
+        else:
+            plan.width, plan.use_look = speculation.width_without_draft(looked, context)
+        return plan
+
+    def _draft(self, plan: _PassPlan) -> None:
+        """One drafter pass for every row; each row's top probabilities kept (``conf``)."""
+        self._sync_drafter()
+        anchors = [s.state.history[-1] for s in self.rows]
+        # Scores over the draft vocabulary only (as the single-sequence cycle reads them).
+        plan.scores, plan.columns = self.draft.block_scores_batch(
+            self.parts, anchors, plan.drafted_rows, self.dcache)
+        # Every row's top log-probability and token in one host read (not one per sequence);
+        # greedy proposals are those tokens.
+        batch_rows, block_rows, n_vocab = plan.scores.shape
+        top_lp, top_ids = draft_candidates(plan.scores.reshape(-1, n_vocab), plan.columns, 1)
+        plan.log_conf = list(top_lp[:, 0].reshape(batch_rows, block_rows))
+        plan.top_ids = top_ids[:, 0].reshape(batch_rows, block_rows)
+        for s, lc in zip(self.rows, plan.log_conf):
+            s.conf = np.exp(lc.astype(np.float64))
+
+    def _proposals(self, plan: _PassPlan) -> tuple[list[list[int]], list]:
+        """Each row's proposals (up to ``width - 1``; a row's continuation, its drafted block,
+        or none: a plain step in the pass) and, where sampled from the drafter, its ``q``."""
         proposals, qs = [], []
-        for i, s in enumerate(rows):
-            k = min(width - 1, s.remaining - 1)
+        for i, s in enumerate(self.rows):
+            k = min(plan.width - 1, s.remaining - 1)
             props, q = [], None
-            if k > 0 and use_look[i]:
-                props = looks[i][0][:k]
-            elif k > 0 and not drafted_rows:
+            if k > 0 and plan.use_look[i]:
+                props = plan.looks[i][0][:k]
+            elif k > 0 and not plan.drafted_rows:
                 pass  # a pass of continuations: this row takes a plain step in it
             elif k > 0 and s.request.sampler.proposes_argmax:
-                props = top_ids[i, :k].tolist()
+                props = plan.top_ids[i, :k].tolist()
             elif k > 0:
-                props, q = self.draft.propose(full_logits(scores[i, :k], columns,
+                props, q = self.draft.propose(full_logits(plan.scores[i, :k], plan.columns,
                                                           self.parts.vocab_size),
-                                              anchors[i], self.dcache, s.request.sampler,
-                                              s.state.history)
+                                              s.state.history[-1], self.dcache,
+                                              s.request.sampler, s.state.history)
                 props = props.tolist()
             proposals.append(props)
             qs.append(q)
-        drafted = time.perf_counter()
+        return proposals, qs
+
+    def _verify(self, plan: _PassPlan, proposals: list[list[int]], qs: list,
+                drafted: float) -> list[StepResult]:
+        """One target pass over every row's anchor and proposals (padding after them is never
+        read); each row accepts a prefix and reports it to its policy; the rest rolled back."""
+        anchors = [s.state.history[-1] for s in self.rows]
+        width = plan.width
         tokens = [[a] + p + [a] * (width - 1 - len(p)) for a, p in zip(anchors, proposals)]
         trace = VerifyTrace()
         logits, taps = forward(self.parts, mx.array(tokens), self.cache,
                                self.draft.target_layer_ids, trace)
         steps, keep = [], []
-        for i, s in enumerate(rows):
+        for i, s in enumerate(self.rows):
             props = proposals[i]
             a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
                                                 s.state.history)
+            context = len(s.state.fed)
             s.state.fed += [anchors[i]] + props[:a]
             s.state.commit_taps(taps[i:i + 1, :a + 1])
-            if props and use_look[i]:
-                s.state.policy.record(None, Plan(len(props), lookup=props, order=looks[i][1]),
-                                      a, None, 0)
+            looked = bool(props) and plan.use_look[i]
+            if looked:
+                outcome = Outcome(Continuation(tuple(props), plan.looks[i][1]), a,
+                                  context=context, shared=True)
             elif props:
-                s.state.policy.record(log_conf[i], Plan(len(props)), a, None, drafted_rows)
+                outcome = Outcome(Chain(len(props)), a, log_conf=plan.log_conf[i],
+                                  draft_rows=plan.drafted_rows, context=context, shared=True)
             else:
-                s.state.policy.record(None, None, 0, None, 0)
+                outcome = Outcome(Plain(1), context=context, shared=True)
+            s.state.policy.observe(outcome)
             steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props,
-                                    lookup=bool(props) and use_look[i]))
+                                    lookup=looked))
             keep.append(a + 1)
         rollback_rows(self.cache, trace, keep, width)
         mx.async_eval([c.state for c in self.cache])
-        if drafted_rows:
-            self.widths.append(width)
-        if width > 1 and drafted_rows and self.policy == "auto":
-            self._judge(steps, context, drafted_rows, width, use_look, looked)
-        t2 = time.perf_counter()
+        return steps
+
+    def _emit_all(self, steps: list[StepResult], t0: float, t2: float,
+                  events: list[BatchEvent]) -> None:
+        """Each row's statistics and event; finished rows leave."""
         done = []
-        for s, step in zip(rows, steps):
+        for s, step in zip(self.rows, steps):
             count_step(s.stats, s.state, step, t0, t2)
             response = emit(s.request, s.state, s.stats, s.detok, step.tokens, s.tic)
             self._event(s, response, events)
             done.append(response.finish_reason is not None)
         self._keep([i for i, d in enumerate(done) if not d])
-
-    def _judge(self, steps: list[StepResult], context: int, drafted_rows: int,
-               width: int, use_look: list[bool], looked: list[np.ndarray | None]) -> None:
-        """After a drafted pass: did it beat plain steps? Half what the acceptance models
-        expected, half what was committed (as the single-sequence policy judges)."""
-        b = len(steps)
-        ms = self.cost.draft(b * drafted_rows) + self.cost.verify(b * width, context)
-        expect = [lp if u else s.state.policy.acceptance.predict(s.conf)
-                  for s, u, lp in zip(self.rows, use_look, looked)]
-        expected = sum(expected_tokens(p)[min(width - 1, len(p))] for p in expect)
-        committed = sum(len(step.tokens) for step in steps)
-        if 0.5 * (expected + committed) / ms < MARGIN * b / self.cost.verify(b, context):
-            self._lost()
-        else:
-            self.losses = 0
 
     # -- targets that cannot be batched -------------------------------------------------------
 

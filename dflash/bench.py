@@ -317,7 +317,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
                              **(template_kwargs or {})) for item in items]
     greedy = temperature == 0
 
-    from .pair_memory import pair_memory
+    from .policy.memory import pair_memory
 
     # What the auto policy starts from: a fresh calibration, or what earlier runs stored.
     # (Sampled runs here are seeded, and a seeded generation never uses the memory: the same
@@ -357,7 +357,9 @@ def run_bench(model: str | None = None, draft: str | None = None,
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
                 say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
     elapsed = time.perf_counter() - tic
-    plain_ms = _plain_pricer(pair) if policy_used in ("auto", "tree") else None
+    from .policy import policy_class
+
+    plain_ms = _plain_pricer(pair) if policy_class(policy_used).needs_cost else None
 
     result_runs = []
     for bs in sizes:
@@ -436,21 +438,9 @@ def _same(x) -> str:
 
 
 def _policy_text(cfg: dict) -> str:
-    policy = cfg.get("policy", "confidence")
-    if policy == "auto":
-        lookup = ("; the context's own continuation verified where it pays"
-                  if cfg.get("lookup", True) else "; drafter proposals only (--no-lookup)")
-        memory = f"; started from pair memory: {cfg['pair_memory']}" \
-            if cfg.get("pair_memory") else ""
-        return ("auto (rows chosen per cycle from this machine's measured cost model; plain "
-                f"steps while speculation loses{lookup}{memory})")
-    if policy == "fixed":
-        return "fixed (the whole block)"
-    if policy == "tree":
-        budget = cfg.get("tree_budget")
-        return f"tree (best-first draft trees of {budget or 'the default'} nodes)"
-    return (f"confidence (drafted tokens checked while the drafter's running confidence is at "
-            f"least {cfg.get('min_confidence') or 0.0})")
+    from .policy import policy_class
+
+    return policy_class(cfg.get("policy", "confidence")).describe(cfg)
 
 
 def shown_path(path: str) -> str:

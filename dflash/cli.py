@@ -22,7 +22,7 @@ from .console import PROG, log, one_line
 from .errors import CLIError, DFlashError
 from .pair import Pair, load_pair
 from .stats import generation_stats
-from .verify_policy import POLICIES
+from .policy import POLICIES
 
 # Subcommands whose options and behaviour live in other modules, imported only when chosen.
 EXTERNAL = {
@@ -451,7 +451,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     parts = target_parts(pair.model)
     model = costs.cost_model(parts, pair.draft, refresh=args.refresh)
     if args.refresh:  # its per-ms parts were measured against the old costs
-        from .pair_memory import forget_stored
+        from .policy.memory import forget_stored
 
         forgotten = forget_stored(pair.model, pair.draft)
         if forgotten is not None:

@@ -6,7 +6,7 @@ on the built-in pair's held-out prompts at block 16 (``scripts/acceptance_featur
 calibrated CPU costs), choosing per cycle between the drafter's chain, the context's
 continuation and a plain step was worth 1.65x plain decoding on GSM8K against 1.35x for the
 drafter alone, 1.52x against 1.00x on HumanEval, 1.08x against 1.00x on chat. The verify policy
-(:mod:`dflash.verify_policy`) decides, per cycle, whether such a continuation is worth its verify
+(:mod:`dflash.policy`) decides, per cycle, whether such a continuation is worth its verify
 rows; verification keeps the output exact (a proposal the target would not produce is rejected,
 and at T > 0 it is accepted with the target's probability of it, as any proposal without a q).
 

@@ -9,12 +9,31 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .cost_model import cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import ContextLookup
-from .pair_memory import pair_memory
+from .policy import (
+    MAX_BACKOFF,
+    Candidates,
+    Chain,
+    Continuation,
+    Outcome,
+    Plain,
+    Plan,
+    Policy,
+    Tree,
+    Unverified,
+    check_policy,
+    check_tree_budget,
+    check_trees_possible,
+    draft_candidates,
+    make_policy,
+    policy_class,
+)
+from .policy.memory import pair_memory
 from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
@@ -31,15 +50,6 @@ from .target import (
     tree_supported,
 )
 from .tree import walk
-from .verify_policy import (
-    MAX_BACKOFF,
-    Plan,
-    VerifyPolicy,
-    check_policy,
-    check_tree_budget,
-    check_trees_possible,
-    draft_candidates,
-)
 
 
 @dataclass
@@ -89,7 +99,7 @@ def _stop_sequences(stop: str | Sequence[str] | None) -> list[str]:
     return stops
 
 
-class _Detokenizer:
+class Detokenizer:
     """Incremental text with stop strings; wraps mlx-lm's streaming detokenizer."""
 
     def __init__(self, tokenizer, stops: list[str]):
@@ -137,7 +147,7 @@ def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.ar
     :class:`~dflash.prompt_cache.PromptCache` carries the caches over to the next call, which then
     prefills only what its prompt does not share with the tokens already cached.
 
-    ``policy`` chooses how many drafted tokens each cycle verifies (:mod:`dflash.verify_policy`):
+    ``policy`` chooses how many drafted tokens each cycle verifies (:mod:`dflash.policy`):
     ``"auto"`` (default) maximises expected committed tokens per second under this machine's
     measured cost model (:mod:`dflash.cost_model`) and takes plain target steps while speculation
     loses, and verifies draft trees where they are worth more than chains (attention-only targets;
@@ -196,8 +206,8 @@ def build_request(
     check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
     check_policy(policy)
     if tree_budget is not None:  # now, not at the first token: its range is the cost model's
-        check_tree_budget(tree_budget, cost_model(parts, draft) if policy in ("auto", "tree")
-                          else None)
+        check_tree_budget(tree_budget, cost_model(parts, draft)
+                          if policy_class(policy).needs_cost else None)
     if proposal is None:
         # Measured on the built-in pair (scripts/bench_sampling.py): sampled proposals accept more
         # at T > 0; at T = 0 both modes are the same. A custom sampler has no q to reject against.
@@ -272,7 +282,7 @@ class DecodeState:
     dcache: list  # the drafter's context caches
     history: list[int]  # prompt + emitted tokens (what penalties and stops see)
     fed: list[int]  # tokens whose keys/values are in the target's cache
-    policy: VerifyPolicy | None = None
+    policy: Policy | None = None
     # Target features ``(1, k, F)`` of committed tokens the drafter has not seen yet, one piece
     # per cycle or plain step: joined once when the drafter next drafts, not grown by a
     # concatenation per step (a stretch of n steps would copy O(n^2) rows).
@@ -313,7 +323,7 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         cache, dcache, reused = make_cache(parts), draft.make_cache(), 0
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
-    cost = cost_model(parts, draft) if request.policy in ("auto", "tree") else None
+    cost = cost_model(parts, draft) if policy_class(request.policy).needs_cost else None
     state = new_state(parts, draft, request, cache, dcache, cost)
     try:
         yield from _decode(parts, draft, tokenizer, request, state, reused, prompt_cache)
@@ -337,11 +347,11 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
         if cost is not None and not seeded else None
     return DecodeState(cache, dcache, history=list(request.prompt_ids),
                        fed=list(request.prompt_ids),
-                       policy=VerifyPolicy(request.policy, request.block_size, cost,
-                                           request.min_confidence, trees=trees,
-                                           tree_budget=request.tree_budget,
-                                           pipelined=request.sampler.pipelines_plain_steps,
-                                           memory=memory, lookup=request.lookup),
+                       policy=make_policy(request.policy, request.block_size, cost,
+                                          min_confidence=request.min_confidence, trees=trees,
+                                          tree_budget=request.tree_budget,
+                                          pipelined=request.sampler.pipelines_plain_steps,
+                                          memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1))
 
@@ -380,84 +390,118 @@ class StepResult(NamedTuple):
     lookup: bool = False  # the proposals were the context's continuation, not the drafter's
 
 
-def _speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
-                      remaining: int, max_stretch: int = MAX_BACKOFF) -> StepResult:
-    """Draft -> verify (a chain, or a tree) -> accept -> roll back; or up to ``max_stretch``
-    plain target steps while the policy says speculation loses."""
-    sampler, policy = request.sampler, state.policy
-    anchor = state.history[-1]
-    most = min(remaining, max_stretch)
-    stretch = policy.plain_stretch(len(state.fed), most) if bs > 1 else 0
-    proposals, q, plan, log_conf = [], None, None, None
-    # The context's own continuation, when it beats a plain step (and the drafter's recent
-    # blocks): a chain verified without a drafter pass.
-    if bs > 1 and policy.lookup:
-        plan = policy.lookup_plan(*state.lookup.continuation(state.history, bs - 1),
-                                  drafting=not stretch)
-        if plan is not None:
-            policy.give_back(stretch)
-            stretch, proposals, bs = 0, plan.lookup, 0
-    if stretch:
-        return _plain_steps(parts, draft, request, state, stretch)
-    # Draft: one pass over [anchor, MASK ...] with the new target features as context.
-    if bs > 1:
-        state.sync_drafter(draft)
-        bs = policy.draft_rows(bs)
-        # Scores over the draft vocabulary only (a cut vocabulary is ~1/6 of the target's): a
-        # full-vocabulary row of -inf to scatter into, gather from and argmax over was ~3 ms a
-        # cycle on the CPU.
-        scores, columns = draft.block_scores(parts, anchor, bs, state.dcache)
-        # Greedy v1 proposals are each row's argmax: read on the host with the candidates, so the
-        # verify pass is queued without a second round trip to the device.
-        argmax = sampler.proposes_argmax and not draft.config.is_dflash2
-        if policy.name != "fixed" or argmax:
-            log_probs, ids = draft_candidates(scores, columns, policy.candidates)
-        if policy.name == "fixed":
-            plan = Plan(bs - 1)
-        else:  # the cut reads the drafter's distributions, never the tokens drawn from them
-            plan = policy.plan(log_probs, ids, anchor, bs)
-            log_conf = log_probs[:, 0]
-            if plan.plain:  # not worth verifying: the first step of the next plain stretch
-                policy.record(log_conf, plan, 0, None, bs)
-                return _plain_steps(parts, draft, request, state,
-                                    1 + policy.plain_stretch(len(state.fed), most - 1))
-        if plan.tree is not None:
-            return _verify_tree(parts, draft, request, state, plan, log_conf, bs)
-        if plan.lookup is not None:  # the context's continuation won over the drafted block
-            proposals = plan.lookup
-        elif argmax:
-            proposals = ids[:plan.rows, 0].tolist()
-        else:
-            logits = full_logits(scores, columns, parts.vocab_size)
-            proposals, q = draft.propose(logits[:plan.rows], anchor, state.dcache, sampler,
-                                         state.history)
-            proposals = proposals.tolist()
-    drafted = time.perf_counter()
+class DraftedBlock(NamedTuple):
+    """One drafter block pass: its rows (anchor included), scores over the draft vocabulary and
+    the column ids, and the candidates the policy reads (``None``: it reads none)."""
 
-    # Verify: one target pass over [anchor, proposals]; accept a prefix; roll back the rest.
+    rows: int
+    scores: mx.array
+    columns: mx.array | None
+    candidates: Candidates | None
+
+    @property
+    def log_conf(self) -> np.ndarray | None:
+        """The drafter's top log-probability per block row (``None``: not read)."""
+        return None if self.candidates is None else self.candidates[0][:, 0]
+
+
+def speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, bs: int,
+                     remaining: int, max_stretch: int = MAX_BACKOFF) -> StepResult:
+    """One cycle as the policy plans it: draft -> verify (a chain, a continuation or a tree) ->
+    accept -> roll back; or up to ``max_stretch`` plain target steps while speculation loses."""
+    policy, anchor, context = state.policy, state.history[-1], len(state.fed)
+    most = min(remaining, max_stretch)
+    block: DraftedBlock | None = None
+    if bs <= 1:  # the last token: nothing to propose
+        plan: Plan | None = Chain(0)
+    else:
+        look = state.lookup.continuation(state.history, bs - 1) if policy.looks_up else None
+        plan = policy.before_draft(context, most, look)
+    if plan is None:
+        block = draft_block(parts, draft, request, state, policy.draft_rows(bs))
+        plan = policy.after_draft(block.candidates, anchor, block.rows)
+    match plan:
+        case Plain(steps):
+            return plain_steps(parts, draft, request, state, steps)
+        case Unverified():  # not worth verifying: the first step of the next plain stretch
+            policy.observe(Outcome(plan, log_conf=block.log_conf, draft_rows=block.rows,
+                                   context=context))
+            return plain_steps(parts, draft, request, state,
+                               1 + policy.plain_stretch(len(state.fed), most - 1))
+        case Tree():
+            return verify_tree(parts, draft, request, state, plan, block, context)
+        case _:
+            return verify_chain(parts, draft, request, state, plan, block, context)
+
+
+def draft_block(parts, draft, request: DecodeRequest, state: DecodeState,
+                rows: int) -> DraftedBlock:
+    """The drafter's block pass of ``rows`` rows over ``[anchor, MASK ...]``, with the new target
+    features as its context; the candidates read on the host where the policy plans from them
+    (or greedy v1 proposals are read from them)."""
+    state.sync_drafter(draft)
+    # Scores over the draft vocabulary only (a cut vocabulary is ~1/6 of the target's): no
+    # full-vocabulary row of -inf to scatter into, gather from and argmax over.
+    scores, columns = draft.block_scores(parts, state.history[-1], rows, state.dcache)
+    candidates = None
+    if state.policy.reads_candidates or _proposes_argmax(request, draft):
+        candidates = draft_candidates(scores, columns, state.policy.candidates)
+    return DraftedBlock(rows, scores, columns, candidates)
+
+
+def _proposes_argmax(request: DecodeRequest, draft) -> bool:
+    """Greedy v1 proposals are each row's argmax: read on the host with the candidates, so the
+    verify pass is queued without a second round trip to the device."""
+    return request.sampler.proposes_argmax and not draft.config.is_dflash2
+
+
+def _proposals(parts, draft, request: DecodeRequest, state: DecodeState, plan: Plan,
+               block: DraftedBlock | None) -> tuple[list[int], mx.array | None]:
+    """The tokens a chain plan verifies, and the drafter's distribution ``q`` where they were
+    sampled from it."""
+    if isinstance(plan, Continuation):
+        return list(plan.tokens), None
+    if plan.rows == 0:
+        return [], None
+    if _proposes_argmax(request, draft):
+        return block.candidates[1][:plan.rows, 0].tolist(), None
+    logits = full_logits(block.scores, block.columns, parts.vocab_size)
+    proposals, q = draft.propose(logits[:plan.rows], state.history[-1], state.dcache,
+                                 request.sampler, state.history)
+    return proposals.tolist(), q
+
+
+def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
+                 plan: Chain | Continuation, block: DraftedBlock | None,
+                 context: int) -> StepResult:
+    """One target pass over ``[anchor, proposals]``; accept a prefix; roll back the rest."""
+    anchor = state.history[-1]
+    proposals, q = _proposals(parts, draft, request, state, plan, block)
+    drafted = time.perf_counter()
     trace = VerifyTrace()
     verified = len(proposals) + 1
     logits, taps = forward(parts, mx.array([anchor] + proposals)[None], state.cache,
                            draft.target_layer_ids, trace)
-    a, bonus = sampler.accept(logits[0], proposals, q, state.history)
+    a, bonus = request.sampler.accept(logits[0], proposals, q, state.history)
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
-    policy.record(log_conf, plan or Plan(0), a, None, bs)
+    state.policy.observe(Outcome(plan, a, log_conf=None if block is None else block.log_conf,
+                                 draft_rows=0 if block is None else block.rows, context=context))
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, False,
-                      lookup=plan is not None and plan.lookup is not None)
+                      lookup=isinstance(plan, Continuation))
 
 
-def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int) -> StepResult:
+def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int) -> StepResult:
     """Up to ``n`` one-token target steps, no drafting (the drafter's context is still fed).
 
     Greedy without history-dependent processors, each pass is queued on the previous pass's
     still-lazy token before that token is read, as mlx-lm's own decoding does, so host work
     overlaps the next pass. Stops early at a stop id (a queued pass then fed it: ``fed`` says so).
     """
-    sampler, tap_ids = request.sampler, draft.target_layer_ids
+    sampler, tap_ids, policy = request.sampler, draft.target_layer_ids, state.policy
     pipelined = sampler.pipelines_plain_steps
     started = time.perf_counter()
 
@@ -482,10 +526,9 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
             token = int(sampler.sample(processed).item())
         state.fed.append(fed)
         state.commit_taps(taps)
-        state.policy.context = len(state.fed)  # priced at its own context
-        state.policy.record(None, None, 0, None, 0)
+        policy.observe(Outcome(Plain(1), context=len(state.fed)))  # priced at its own context
         out.append(token)
-        if more and state.policy.lookup and state.policy.lookup_worth(
+        if more and policy.looks_up and policy.lookup_worth(
                 *state.lookup.continuation(state.history + out, request.block_size - 1)):
             # The context continues itself here: end the stretch and verify that instead (a
             # pass already queued on this token is taken first, as the stretch's last step).
@@ -500,13 +543,13 @@ def _plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: in
             next_logits, next_taps = step(token)
         fed, logits, taps = token, next_logits, next_taps
         i += 1
-    state.policy.give_back(stretch - len(out))
+    policy.give_back(stretch - len(out))
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(out, len(out) - 1, 0, started, True)
 
 
-def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: Plan,
-                 log_conf, bs: int) -> StepResult:
+def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: Tree,
+                block: DraftedBlock, context: int) -> StepResult:
     """One target pass over a draft tree; walk the target's tokens down it; keep that path."""
     tree, sampler = plan.tree, request.sampler
     drafted = time.perf_counter()
@@ -526,7 +569,8 @@ def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan:
     commit_tree_path(state.cache, start, keep, len(tree))
     state.fed += [tree.tokens[i] for i in keep]
     state.commit_taps(taps[:, mx.array(keep)])
-    state.policy.record(log_conf, plan, len(path), path, bs)
+    state.policy.observe(Outcome(plan, len(path), tuple(path), block.log_conf, block.rows,
+                                 context))
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult([tree.tokens[i] for i in path] + [bonus], len(path), len(tree) - 1,
                       drafted, False, depths=max(tree.depths))
@@ -534,7 +578,7 @@ def _verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan:
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
             prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
-    detok = _Detokenizer(tokenizer, request.stops)
+    detok = Detokenizer(tokenizer, request.stops)
     stats = DFlashResponse(prompt_tokens=len(request.prompt_ids),
                            priced_ms=state.policy.stats.priced_ms)  # 0.0, or None: not priced
     max_tokens = request.max_tokens
@@ -571,8 +615,8 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
 
         t0 = time.perf_counter()
         bs = min(request.block_size, max_tokens - stats.generation_tokens)
-        step = _speculative_step(parts, draft, request, state, bs,
-                                 max_tokens - stats.generation_tokens)
+        step = speculative_step(parts, draft, request, state, bs,
+                                max_tokens - stats.generation_tokens)
         emitted = step.tokens
         count_step(stats, state, step, t0, time.perf_counter())
 
@@ -583,7 +627,7 @@ def first_token(request: DecodeRequest, state: DecodeState, last_logits: mx.arra
     return int(sampler.sample(sampler.process(last_logits, state.history, [])).item())
 
 
-def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, detok: _Detokenizer,
+def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, detok: Detokenizer,
          emitted: list[int], tic: float) -> DFlashResponse:
     """The response for the tokens a cycle produced: cut at a stop id, at ``max_tokens`` or at a
     stop string; the history and the running statistics updated (``tic``: decoding's start)."""
@@ -605,7 +649,7 @@ def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, deto
     stats.peak_memory = mx.get_peak_memory() / 1e9
     stats.acceptance_by_position = [a / p if p else 0.0
                                     for a, p in zip(state.accepted_at, state.proposed_at)]
-    return _snapshot(stats, text, emitted, finish)
+    return snapshot(stats, text, emitted, finish)
 
 
 def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: float,
@@ -634,7 +678,7 @@ def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: 
         state.accepted_at[j] += j < a
 
 
-def _snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFlashResponse:
+def snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFlashResponse:
     out = DFlashResponse(**{k: getattr(stats, k) for k in stats.__dataclass_fields__})
     out.text, out.tokens, out.finish_reason = text, list(tokens), finish
     out.token = tokens[-1] if tokens else None

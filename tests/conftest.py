@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
 
-from dflash.pair_memory import forget_pairs  # noqa: E402
+from dflash.policy.memory import forget_pairs  # noqa: E402
 
 # A test's policy must not start from what earlier test runs stored (the stored memory's own tests
 # turn it on in a temporary DFLASH_HOME); set before any subprocess inherits the environment.

@@ -417,7 +417,7 @@ def cpu_like_costs():
 
 
 def test_batch_width_turns_into_plain_decoding_as_the_batch_grows():
-    from dflash.verify_policy import batch_width
+    from dflash.policy import batch_width
 
     cost = cpu_like_costs()
     good = np.full(7, 0.7)  # a drafter right 70 % of the time at every row

@@ -7,8 +7,8 @@ from mlx_lm.generate import generate_step
 from tiny_models import OracleDrafter
 
 from dflash.model_mlx import generate, stream_generate
+from dflash.policy import confident_rows, draft_candidates
 from dflash.target import VerifyTrace, forward, make_cache, rollback, target_parts
-from dflash.verify_policy import confident_rows, draft_candidates
 
 N_TOKENS = 200
 

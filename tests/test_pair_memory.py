@@ -18,27 +18,41 @@ import threading
 
 import numpy as np
 import pytest
-from test_plain_steps import FLAT_COST, ROWS_COST, confident, cost
+from test_plain_steps import FLAT_COST, ROWS_COST, confident, cost, observe
 
-from dflash import pair_memory as stored
-from dflash.pair_memory import INHERITED_LOSSES, MEMORY_CAP, PairMemory, pair_memory
-from dflash.verify_policy import MIN_DRAFT_ROWS, VerifyPolicy
+from dflash.policy import (
+    MAX_BACKOFF,
+    MIN_DRAFT_ROWS,
+    Chain,
+    Continuation,
+    Outcome,
+    Policy,
+    Unverified,
+    make_policy,
+)
+from dflash.policy import memory as stored
+from dflash.policy.memory import INHERITED_LOSSES, MEMORY_CAP, PairMemory, pair_memory
 
 
-def lose(policy: VerifyPolicy, cycles: int) -> None:
+def VerifyPolicy(name, block, cost=None, memory=None):  # noqa: N802
+    return make_policy(name, block, cost, memory=memory)
+
+
+def lose(policy: Policy, cycles: int) -> None:
     """``cycles`` verified cycles in which the confident drafter's first proposal is wrong."""
     for _ in range(cycles):
-        policy.plain_stretch(128)
+        policy.plain_stretch(128, MAX_BACKOFF)
         log_probs, ids = confident(3)
-        policy.record(log_probs[:, 0], policy.plan(log_probs, ids, 0, 4), 0, None, 4)
+        observe(policy, policy.after_draft((log_probs, ids), 0, 4), 0, log_probs[:, 0])
 
 
-def win(policy: VerifyPolicy, cycles: int, rows: int = 3) -> None:
+def win(policy: Policy, cycles: int, rows: int = 3) -> None:
     for _ in range(cycles):
-        policy.plain_stretch(128)
+        policy.plain_stretch(128, MAX_BACKOFF)
         log_probs = np.log(np.full((rows, 1), 0.999))
-        plan = policy.plan(log_probs, np.arange(rows)[:, None], 0, rows + 1)
-        policy.record(log_probs[:, 0], plan, plan.rows, None, rows + 1)
+        plan = policy.after_draft((log_probs, np.arange(rows)[:, None]), 0, rows + 1)
+        accepted = 0 if isinstance(plan, Unverified) else plan.rows
+        observe(policy, plan, accepted, log_probs[:, 0], rows + 1)
 
 
 def test_a_losing_pair_starts_its_next_generation_calibrated_and_behind_the_streak():
@@ -46,18 +60,18 @@ def test_a_losing_pair_starts_its_next_generation_calibrated_and_behind_the_stre
     first = VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory)
     fresh = VerifyPolicy("auto", 16, cost(ROWS_COST))
     conf = np.full(3, 0.97)
-    assert fresh.acceptance.predict(conf)[0] > 0.9  # the raw confidence, before any evidence
+    assert fresh.predict(conf)[0] > 0.9  # the raw confidence, before any evidence
     lose(first, 6)
-    assert memory.losses == first.losses == 6
+    assert memory.losses == first.backoff.losses == 6
     second = VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory)
-    assert second.losses == INHERITED_LOSSES and not second.agreed
-    assert second.acceptance.predict(conf)[0] < 0.3  # what the first generation measured
-    assert second.plain_stretch(128) == 0  # it probes first (the text may suit the drafter) ...
+    assert second.backoff.losses == INHERITED_LOSSES and not second.backoff.agreed
+    assert second.predict(conf)[0] < 0.3  # what the first generation measured
+    assert second.plain_stretch(128, MAX_BACKOFF) == 0  # it probes first (the text may suit the drafter) ...
     assert second.draft_rows(16) == MIN_DRAFT_ROWS  # ... with the smallest draft ...
-    plan = second.plan(*confident(3), anchor=0, draft_rows=MIN_DRAFT_ROWS)
-    assert plan.plain  # ... and verifies nothing it expects to lose
-    second.record(None, plan, 0, None, MIN_DRAFT_ROWS)
-    assert second.plain_stretch(128) == 2 ** (INHERITED_LOSSES + 1)
+    plan = second.after_draft(confident(3), anchor=0, draft_rows=MIN_DRAFT_ROWS)
+    assert isinstance(plan, Unverified)  # ... and verifies nothing it expects to lose
+    observe(second, plan, draft_rows=MIN_DRAFT_ROWS)
+    assert second.plain_stretch(128, MAX_BACKOFF) == 2 ** (INHERITED_LOSSES + 1)
 
 
 def test_a_winning_pair_starts_drafting_as_deep_as_it_verified():
@@ -67,34 +81,34 @@ def test_a_winning_pair_starts_drafting_as_deep_as_it_verified():
     win(first, 4, rows=5)
     assert memory.losses == 0
     second = VerifyPolicy("auto", 16, cost(FLAT_COST), memory=memory)
-    assert second.losses == 0 and second.draft_rows(16) == 5 + 3
-    assert second.acceptance.predict(np.full(5, 0.999))[4] > 0.9
+    assert second.backoff.losses == 0 and second.draft_rows(16) == 5 + 3
+    assert second.predict(np.full(5, 0.999))[4] > 0.9
 
 
 def test_the_memory_is_capped_so_new_text_steers_it():
     memory = PairMemory(15)
     lose(VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory), 200)
-    assert memory.acceptance.tried.max() == pytest.approx(MEMORY_CAP)
+    assert memory.calibration.drafter.tried.max() == pytest.approx(MEMORY_CAP)
     later = VerifyPolicy("auto", 16, cost(FLAT_COST), memory=memory)
     conf = np.full(3, 0.97)
-    assert later.acceptance.predict(conf)[0] < 0.1
+    assert later.predict(conf)[0] < 0.1
     win(later, int(MEMORY_CAP) * 2)  # a prompt on which the drafter is right
-    assert later.acceptance.predict(conf)[0] > 0.6
-    assert memory.acceptance.predict(conf)[0] > 0.6  # and the pair remembers that now
+    assert later.predict(conf)[0] > 0.6
+    assert memory.calibration.drafter.predict(conf)[0] > 0.6  # and the pair remembers that now
 
 
 def test_a_running_generation_never_sees_another_generations_updates():
     memory = PairMemory(15)
     running = VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory)
-    before = running.acceptance.tried.copy(), running.acceptance.accepted.copy()
+    before = running.calibration.drafter.tried.copy(), running.calibration.drafter.accepted.copy()
     other = threading.Thread(
         target=lose, args=(VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory), 20))
     other.start()
     other.join()
-    assert memory.acceptance.tried.sum() > 0
-    np.testing.assert_array_equal(running.acceptance.tried, before[0])
-    np.testing.assert_array_equal(running.acceptance.accepted, before[1])
-    assert running.losses == 0
+    assert memory.calibration.drafter.tried.sum() > 0
+    np.testing.assert_array_equal(running.calibration.drafter.tried, before[0])
+    np.testing.assert_array_equal(running.calibration.drafter.accepted, before[1])
+    assert running.backoff.losses == 0
 
 
 def test_the_memory_belongs_to_one_loaded_pair_and_only_to_auto():
@@ -107,8 +121,8 @@ def test_the_memory_belongs_to_one_loaded_pair_and_only_to_auto():
     assert pair_memory(target, b, 15) is not memory
     assert pair_memory(other, a, 15) is not memory
     lose(VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory), 3)
-    fixed = VerifyPolicy("fixed", 16, memory=memory)
-    assert fixed.memory is None and fixed.losses == 0
+    fixed = make_policy("fixed", 16, memory=memory)
+    assert getattr(fixed, "memory", None) is None and not hasattr(fixed, "backoff")
     gone = id(a)
     del a
     gc.collect()
@@ -128,14 +142,14 @@ ONE_SHOT = """
 import json, sys
 import dflash
 from dflash.model_mlx import generate, load, load_draft
-from dflash.pair_memory import pair_memory
+from dflash.policy.memory import pair_memory
 model, tokenizer = load(sys.argv[1])
 draft = load_draft(sys.argv[2])
 memory = pair_memory(model, draft, draft.block_size - 1)
-before = {"source": memory.source, "tried": memory.acceptance.tried.tolist(),
+before = {"source": memory.source, "tried": memory.calibration.drafter.tried.tolist(),
           "losses": memory.losses}
 r = generate(model, draft, tokenizer, "The sea is", max_tokens=40, policy="auto")
-print(json.dumps({"before": before, "tokens": r.tokens, "tried": memory.acceptance.tried.tolist(),
+print(json.dumps({"before": before, "tokens": r.tokens, "tried": memory.calibration.drafter.tried.tolist(),
                   "losses": memory.losses}))
 """
 
@@ -244,14 +258,14 @@ def test_a_corrupt_or_foreign_file_is_said_once_and_replaced(loaded_pair, storin
         path.write_text(text)
         stored.forget_pairs()
         memory = pair_memory(model, draft, 7)  # no exception: said, and started fresh
-        assert memory.source == "fresh" and not memory.acceptance.tried.any(), text
+        assert memory.source == "fresh" and not memory.calibration.drafter.tried.any(), text
         assert memory.losses == 0 and not memory.depths and memory.draft_rate is None, text
         assert str(path) in capsys.readouterr().err, text
     lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 3)
     stored.save_all()
     reread = PairMemory(7)
     reread.load(json.loads(path.read_text()))  # replaced by a good one
-    np.testing.assert_allclose(reread.acceptance.tried, memory.acceptance.tried, atol=1e-4)
+    np.testing.assert_allclose(reread.calibration.drafter.tried, memory.calibration.drafter.tried, atol=1e-4)
 
 
 def test_another_machines_memory_keeps_acceptance_not_timings(loaded_pair, storing):
@@ -266,7 +280,7 @@ def test_another_machines_memory_keeps_acceptance_not_timings(loaded_pair, stori
     path.write_text(json.dumps(data))
     here = pair_memory(model, draft, 7)
     assert here.source.endswith("(another machine: acceptance only)")
-    np.testing.assert_allclose(here.acceptance.tried, there.acceptance.tried, atol=1e-4)
+    np.testing.assert_allclose(here.calibration.drafter.tried, there.calibration.drafter.tried, atol=1e-4)
     assert there.losses == 5 and here.losses == 0 and here.draft_rate is None
 
 
@@ -280,7 +294,7 @@ def test_an_unwritable_folder_keeps_the_memory_in_process(loaded_pair, tmp_path,
     lose(VerifyPolicy("auto", 8, cost(ROWS_COST), memory=memory), 3)
     memory.save()
     assert memory.path is None and "keeping it in this process" in capsys.readouterr().err
-    assert memory.acceptance.tried.sum() > 0 and pair_memory(model, draft, 7) is memory
+    assert memory.calibration.drafter.tried.sum() > 0 and pair_memory(model, draft, 7) is memory
 
 
 def test_a_full_disk_leaves_the_stored_file_whole(loaded_pair, small_disk, monkeypatch, capsys):
@@ -309,40 +323,38 @@ def test_a_stored_memory_keeps_longer_blocks_than_this_process_drafts():
     import json
 
     long = PairMemory(15)
-    long.observe_lookup(np.full(12, 0.7), 12, 9)
+    long.observe(Outcome(Continuation(tuple(range(12)), 2), 9))
     short = PairMemory(3)
     short.load(json.loads(json.dumps(long._to_dict())))
-    assert short.lookup.rows == 15 and short.lookup.tried.sum() == long.lookup.tried.sum()
-    short.observe_lookup(np.full(20, 0.7), 20, 18)
-    assert short.lookup.rows == 20 and short.lookup.tried[17].sum() > 0
+    lookup, long_lookup = short.calibration.continuation, long.calibration.continuation
+    assert lookup.rows == 15 and lookup.tried.sum() == long_lookup.tried.sum()
+    short.observe(Outcome(Continuation(tuple(range(20)), 2), 18))
+    lookup = short.calibration.continuation
+    assert lookup.rows == 20 and lookup.tried[17].sum() > 0
 
 
 def test_a_cycle_with_nothing_proposed_teaches_nothing():
     """The last token of a generation is a one-row pass with no proposal: counted, priced, but
     neither a verified depth nor a lost bet on the drafter (which the next generation inherits)."""
-    from dflash.verify_policy import Plan
-
     memory, flat = PairMemory(15), cost(FLAT_COST)
     policy = VerifyPolicy("auto", 16, flat, memory=memory)
     win(policy, 2, rows=3)
     depths = list(policy.depths)
-    assert policy.losses == memory.losses == 0
-    policy.record(None, Plan(0), 0, None, 1)
+    assert policy.backoff.losses == memory.losses == 0
+    policy.observe(Outcome(Chain(0), 0, draft_rows=1, context=128))
     assert list(policy.depths) == list(memory.depths) == depths
-    assert policy.losses == memory.losses == 0
+    assert policy.backoff.losses == memory.losses == 0
     assert policy.stats.speculative_cycles == 3
     assert policy.stats.priced_ms == pytest.approx(2 * (flat.draft(4) + flat.verify(4, 128))
                                                    + flat.verify(1, 128))
 
 
 def test_a_continuation_that_ends_a_losing_streak_is_remembered():
-    from dflash.verify_policy import Plan
-
     memory = PairMemory(15)
     policy = VerifyPolicy("auto", 16, cost(FLAT_COST), memory=memory)
     lose(policy, 3)
-    assert memory.losses == policy.losses > 0
+    assert memory.losses == policy.backoff.losses > 0
     policy.plain_stretch(128, 0)
-    plan = Plan(5, lookup=[1, 2, 3, 4, 5], order=3, drafter_value=1.0)  # beat a drafted block
-    policy.record(None, plan, 5, None, 4)
-    assert policy.losses == 0 and memory.losses == 0
+    plan = Continuation((1, 2, 3, 4, 5), 3, drafter_value=1.0)  # beat a drafted block
+    observe(policy, plan, 5)
+    assert policy.backoff.losses == 0 and memory.losses == 0

@@ -25,8 +25,16 @@ from tiny_models import OracleDrafter
 from dflash import cost_model as costs
 from dflash import speculative as sp
 from dflash.model_mlx import generate
+from dflash.policy import (
+    MAX_BACKOFF,
+    MIN_DRAFT_ROWS,
+    AutoPolicy,
+    Chain,
+    Outcome,
+    Unverified,
+    make_policy,
+)
 from dflash.target import forward, make_cache, target_parts
-from dflash.verify_policy import MAX_BACKOFF, MIN_DRAFT_ROWS, VerifyPolicy
 
 N = 160
 KINDS = ("qwen3", "qwen3_5")  # attention caches; GatedDeltaNet state (nothing to trim)
@@ -210,14 +218,14 @@ def test_drafter_context_caught_up_after_a_stretch_proposes_the_same(kind, pairs
 
     def state():
         s = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(prompt),
-                           fed=list(prompt), policy=VerifyPolicy("fixed", request.block_size))
+                           fed=list(prompt), policy=make_policy("fixed", request.block_size))
         s.history.append(sp.first_token(request, s, sp._prefill(parts, draft, request, s, 0)))
         return s
 
     lazy, eager = state(), state()
-    out = sp._plain_steps(parts, draft, request, lazy, 12)
+    out = sp.plain_steps(parts, draft, request, lazy, 12)
     for _ in range(12):
-        step = sp._plain_steps(parts, draft, request, eager, 1)
+        step = sp.plain_steps(parts, draft, request, eager, 1)
         eager.history += step.tokens
         eager.sync_drafter(draft)  # fed at once, every step
     assert out.tokens == eager.history[len(lazy.history):] == ref[1:13]
@@ -238,11 +246,11 @@ def test_a_stretch_keeps_one_piece_of_taps_per_step_joined_in_order(kind, pairs)
     parts = target_parts(model)
     request = sp.build_request(parts, draft, tokenizer, prompt, max_tokens=N, policy="fixed")
     state = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(prompt),
-                           fed=list(prompt), policy=VerifyPolicy("fixed", request.block_size))
+                           fed=list(prompt), policy=make_policy("fixed", request.block_size))
     state.history.append(sp.first_token(request, state, sp._prefill(parts, draft, request,
                                                                      state, 0)))
     n = 40
-    out = sp._plain_steps(parts, draft, request, state, n)
+    out = sp.plain_steps(parts, draft, request, state, n)
     assert out.tokens == ref[1:n + 1]
     assert len(state.pending) == n and state.pending_rows == n
     taps = state.take_taps()
@@ -260,9 +268,9 @@ def test_a_stretch_keeps_one_piece_of_taps_per_step_joined_in_order(kind, pairs)
 # The policy's side of it
 
 
-def losing_policy() -> VerifyPolicy:
-    policy = VerifyPolicy("auto", 16, cost(ROWS_COST))
-    policy.plain_stretch(128)
+def losing_policy() -> AutoPolicy:
+    policy = make_policy("auto", 16, cost(ROWS_COST))
+    policy.plain_stretch(128, MAX_BACKOFF)
     return policy
 
 
@@ -271,49 +279,56 @@ def confident(rows: int) -> tuple[np.ndarray, np.ndarray]:
     return log_probs, np.arange(rows)[:, None]
 
 
+def observe(policy, plan, accepted: int = 0, log_conf=None, draft_rows: int = 4) -> None:
+    """Report a cycle of ``plan`` to ``policy`` (at the context it planned at)."""
+    policy.observe(Outcome(plan, accepted, log_conf=log_conf, draft_rows=draft_rows,
+                           context=policy.context))
+
+
 def test_a_losing_streak_drafts_little_and_stops_verifying_until_the_longest_stretch():
     policy = losing_policy()
     assert policy.draft_rows(16) == MIN_DRAFT_ROWS  # nothing known of the drafter yet
-    plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
-    assert not plan.plain  # the streak's first probe is verified, whatever it expects
-    policy.record(confident(3)[0][:, 0], plan, 0, None, 4)
-    assert policy.losses == 1 and policy.plain_stretch(128) == 2
-    plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
-    assert not plan.plain  # and so is its second: one unlucky cycle is no evidence
-    policy.record(confident(3)[0][:, 0], plan, 0, None, 4)
-    assert policy.losses == 2 and policy.plain_stretch(128) == 4
+    plan = policy.after_draft(confident(3), anchor=0, draft_rows=4)
+    assert not isinstance(plan, Unverified)  # the streak's first probe is verified, whatever
+    observe(policy, plan, 0, confident(3)[0][:, 0])
+    assert policy.backoff.losses == 1 and policy.plain_stretch(128, MAX_BACKOFF) == 2
+    plan = policy.after_draft(confident(3), anchor=0, draft_rows=4)
+    assert not isinstance(plan, Unverified)  # and so is its second: one unlucky cycle is no evidence
+    observe(policy, plan, 0, confident(3)[0][:, 0])
+    assert policy.backoff.losses == 2 and policy.plain_stretch(128, MAX_BACKOFF) == 4
     stretches = []
-    while 2 ** policy.losses < MAX_BACKOFF:
+    while 2 ** policy.backoff.losses < MAX_BACKOFF:
         assert policy.draft_rows(16) == MIN_DRAFT_ROWS
-        plan = policy.plan(*confident(MIN_DRAFT_ROWS - 1), anchor=0, draft_rows=MIN_DRAFT_ROWS)
-        assert plan.plain and plan.rows == 0 and plan.tree is None
-        policy.record(None, plan, 0, None, MIN_DRAFT_ROWS)
-        stretches.append(policy.plain_stretch(128))
+        plan = policy.after_draft(confident(MIN_DRAFT_ROWS - 1), anchor=0,
+                                  draft_rows=MIN_DRAFT_ROWS)
+        assert isinstance(plan, Unverified)
+        observe(policy, plan, draft_rows=MIN_DRAFT_ROWS)
+        stretches.append(policy.plain_stretch(128, MAX_BACKOFF))
     assert stretches == [8, 16, 32, 64]
     assert policy.stats.unverified_probes == 4 and policy.stats.speculative_cycles == 2
     # At the longest stretch, probes are verified again: the calibration keeps learning.
-    assert not policy.plan(*confident(3), anchor=0, draft_rows=4).plain
+    assert not isinstance(policy.after_draft(confident(3), anchor=0, draft_rows=4), Unverified)
 
 
 def test_a_streak_where_the_drafter_agreed_keeps_verifying():
     policy = losing_policy()
     for accepted in (1, 0, 0):  # it lost, but it agreed once
-        plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
-        assert not plan.plain
-        policy.record(confident(3)[0][:, 0], plan, accepted, None, 4)
-        policy.plain_stretch(128)
-    assert policy.losses == 3 and policy.agreed
+        plan = policy.after_draft(confident(3), anchor=0, draft_rows=4)
+        assert not isinstance(plan, Unverified)
+        observe(policy, plan, accepted, confident(3)[0][:, 0])
+        policy.plain_stretch(128, MAX_BACKOFF)
+    assert policy.backoff.losses == 3 and policy.backoff.agreed
 
 
 def test_a_probe_expected_to_win_is_verified_and_a_winning_cycle_drafts_deeper():
-    policy = VerifyPolicy("auto", 16, cost(FLAT_COST))
-    policy._lost()
-    assert policy.plain_stretch(128) == 2  # the stretch is taken; then the probe
+    policy = make_policy("auto", 16, cost(FLAT_COST))
+    policy.backoff.lost()
+    assert policy.plain_stretch(128, MAX_BACKOFF) == 2  # the stretch is taken; then the probe
     log_probs = np.log(np.full((3, 1), 0.999))
-    plan = policy.plan(log_probs, np.arange(3)[:, None], anchor=0, draft_rows=4)
-    assert not plan.plain and plan.rows == 3
-    policy.record(log_probs[:, 0], plan, 3, None, 4)  # all accepted: the streak is over
-    assert policy.losses == 0 and policy.plain_stretch(128) == 0
+    plan = policy.after_draft((log_probs, np.arange(3)[:, None]), anchor=0, draft_rows=4)
+    assert plan == Chain(3)
+    observe(policy, plan, 3, log_probs[:, 0])  # all accepted: the streak is over
+    assert policy.backoff.losses == 0 and policy.plain_stretch(128, MAX_BACKOFF) == 0
     assert policy.draft_rows(16) == 3 + 3  # the deepest recent plan and two more rows
 
 
@@ -326,11 +341,11 @@ def test_speculation_is_weighed_against_the_plain_step_it_would_really_take():
     assert model.step(128) == 2.0 and model.step(128, pipelined=False) == 10.0
     losses = {}
     for pipelined in (False, True):
-        policy = VerifyPolicy("auto", 16, model, pipelined=pipelined)
-        policy.plain_stretch(128)
-        plan = policy.plan(*confident(3), anchor=0, draft_rows=4)
-        policy.record(confident(3)[0][:, 0], plan, 3, None, 4)  # 4 tokens in ~11 ms
-        losses[pipelined] = policy.losses
+        policy = make_policy("auto", 16, model, pipelined=pipelined)
+        policy.plain_stretch(128, MAX_BACKOFF)
+        plan = policy.after_draft(confident(3), anchor=0, draft_rows=4)
+        observe(policy, plan, 3, confident(3)[0][:, 0])  # 4 tokens in ~11 ms
+        losses[pipelined] = policy.backoff.losses
     assert losses == {False: 0, True: 1}
 
 

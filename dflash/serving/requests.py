@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 
 from ..errors import APIError, GenerationConfigError
+from ..policy import check_policy
 from ..prompts import encode_prompt, encode_text
 from ..sampling import SamplingConfig, check_decode_settings
-from ..verify_policy import check_policy
 from .reasoning import prompt_opens_reasoning
 from .tools import ToolFormat, ToolSpec, history_calls, parse_tools, render_messages, tool_format
 
