@@ -21,8 +21,8 @@ from .backend import configure, env_flag
 from .console import PROG, log, one_line
 from .errors import CLIError, DFlashError
 from .pair import Pair, load_pair
-from .stats import generation_stats
 from .policy import POLICIES
+from .stats import generation_stats
 
 # Subcommands whose options and behaviour live in other modules, imported only when chosen.
 EXTERNAL = {
@@ -443,13 +443,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Measure (or read) this machine's verify and draft costs for the pair; print the table."""
+    """Measure (or read) this machine's verify and draft costs for the pair; print the table.
+    With ``--compare-learned``: first one generation that learns the costs from nothing, then
+    its learnt costs against the calibration."""
     from . import cost_model as costs  # MLX loads only for the commands that run models
     from .target import target_parts
 
     pair = load_pair(args.model, args.draft, log=log)
     parts = target_parts(pair.model)
-    model = costs.cost_model(parts, pair.draft, refresh=args.refresh)
+    learned = _learn_from_one_generation(pair, parts, args) if args.compare_learned else None
+    model = costs.calibrate(parts, pair.draft, refresh=args.refresh)
     if args.refresh:  # its per-ms parts were measured against the old costs
         from .policy.memory import forget_stored
 
@@ -458,10 +461,38 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             log(f"forgot what earlier generations stored ({forgotten})")
     log(f"calibration {costs.calibration_file(model.key)} (measured {model.measured_at})")
     print(costs.format_table(model), flush=True)
+    if learned is not None:
+        table = costs.compare_learned(learned, model)
+        print("\nlearnt in one generation from the prior, against the calibration:", flush=True)
+        print(costs.format_comparison(table), flush=True)
+        if args.out is not None:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "compare-learned.json").write_text(json.dumps(table, indent=1))
     if args.out is not None:
         files = costs.write_calibration(model, args.out)
         log("wrote " + ", ".join(str(p) for p in files.values()))
     return 0
+
+
+COMPARE_PROMPT = "Write a Python function that checks whether a number is prime, and explain it."
+
+
+def _learn_from_one_generation(pair: Pair, parts, args: argparse.Namespace):
+    """The costs one greedy ``--max-tokens`` generation learns from the prior (nothing stored is
+    read or written), with the pair's calibration out of the way while it runs."""
+    from . import cost_model as costs
+    from .model_mlx import generate
+
+    learned = costs.fresh_cost_model(parts, pair.draft)
+    prompt = pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": COMPARE_PROMPT}], tokenize=False, add_generation_prompt=True)
+    log(f"one {args.max_tokens}-token generation, pass costs learnt from the prior ...")
+    tic = time.perf_counter()
+    out = generate(pair.model, pair.draft, pair.tokenizer, prompt, max_tokens=args.max_tokens)
+    log(f"generated {len(out.tokens)} tokens in {time.perf_counter() - tic:.1f} s; "
+        f"{learned.observed} passes timed")
+    costs.fresh_cost_model(parts, pair.draft, calibrated=True)  # the learning run is over
+    return learned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,6 +612,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="folder for calibration.json and calibration.png (verify cost "
                         "against rows; needs matplotlib)")
+    p.add_argument("--compare-learned", action="store_true",
+                   help="first one greedy generation that learns the pass costs from nothing "
+                        "(what a new machine's first generation does), then print its learnt "
+                        "costs next to the calibration's")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="with --compare-learned: tokens of that generation (default 256)")
     p.set_defaults(func=cmd_calibrate)
 
     chosen = _chosen_command(argv or [])
@@ -600,6 +637,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _unavailable(reason: str) -> int:
     print(f"{PROG}: {reason}", file=sys.stderr, flush=True)
     return 2
+
+
+def _store_learnt_costs() -> None:
+    """What the command's generations learnt about pass costs, stored for the next process."""
+    costs = sys.modules.get(f"{__package__}.cost_model")
+    if costs is not None:
+        costs.flush_all()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -623,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure()  # before any command imports mlx.core: OpenBLAS is bound as MLX loads
         rc = func(args)
+        _store_learnt_costs()
         return rc if isinstance(rc, int) else 0  # commands may return what they wrote
     except KeyboardInterrupt:
         if debug:

@@ -1,36 +1,45 @@
-"""What a verify pass and a draft pass cost on this machine, measured, cached, never hard-coded.
+"""What a verify pass and a draft pass cost on this machine: learnt while decoding, or measured.
 
 Speculation pays when the tokens a cycle commits outweigh what the cycle costs relative to a plain
-one-token step, and that ratio is a property of the machine, the model and the context length.
-Measured on the project's 2-core CPU (built-in target, float32 + OpenBLAS, 256-token context), a
-target pass costs, in one-token steps: 1 row 1.0, 2 rows 1.2, 4 rows 1.5, 8-16 rows ~1.7, 24-32
-rows ~2.7, 64 rows ~4.5; on Apple GPUs other runtimes verify only 3-5 rows. So the first
-generation with a (target, drafter, dtype, device, MLX version) measures:
+one-token step, and that ratio is a property of the machine, the model and the context length
+(docs/how-it-works.md has this CPU's numbers). The policy asks three prices, in milliseconds:
 
-* ``verify_ms[context][rows]``: one target pass over ``rows`` new tokens after ``context`` cached
-  ones, for a few row counts and two context lengths (linear interpolation between them);
-* ``step_ms[context]``: one plain one-token step as greedy decoding takes it, each pass queued on
-  the previous pass's still-lazy token (mlx-lm's own pipelining). The host builds the next pass's
-  graph (~3 ms here) while the device runs this one, so where a pass takes a few ms (GPUs) a
-  pipelined step costs clearly less than a lone one-row pass; on this CPU (~60 ms a pass) the two
-  measure equal. The policy weighs speculation against the plain steps it would really take;
-* ``draft_ms[rows]``: one drafter block pass of ``rows`` rows.
+* ``verify(rows, context)``: one target pass over ``rows`` new tokens after ``context`` cached ones;
+* ``step(context)``: one plain one-token step as greedy decoding takes it, each pass queued on the
+  previous pass's still-lazy token (mlx-lm's pipelining: where a pass takes a few ms, on GPUs, a
+  pipelined step costs clearly less than a lone one-row pass);
+* ``draft(rows)``: one drafter block pass of ``rows`` rows.
 
-It takes a few seconds (with a progress line): each shape's fastest of three round-robin timings,
-made monotone in rows, so that a busy machine does not skew single shapes. It is cached as JSON
-under ``$DFLASH_HOME/calibration/``; a file that is corrupt, older than 30 days or measured on
-another machine (or MLX version) is measured again (said once); an unwritable folder keeps the model in memory (said once).
-``dflash calibrate`` prints the table and a plot.
+:func:`cost_model` answers them without measuring anything first, so the first token comes as
+soon as plain decoding's. Its :class:`PassCosts` learns from the passes decoding runs anyway
+(the engines report each pass's time to :meth:`PassCosts.observe`): per (pass kind, rows,
+power-of-two context bucket) it keeps the recent timings and takes a low quantile of them (a busy
+moment does not raise a price), interpolates across rows and contexts, and prices what it has not
+seen from a conservative prior: before any multi-row pass is timed each extra row costs
+``PRIOR_ROW_COST`` of a one-row pass, so speculation has to prove itself on short chains first;
+past the longest pass timed a row costs the average extra row of the passes timed; a drafter pass
+not yet timed is priced like a target pass of its rows. What it learnt is stored per machine and
+pair under ``$DFLASH_HOME/calibration/`` (pass costs are a property of the machine) and is where
+the next process starts.
+
+``dflash calibrate`` measures the table up front instead (:func:`calibrate`: each shape's fastest of
+three round-robin timings, made monotone in rows) and stores it next to it; a stored calibration
+is what the policy uses when present. A file that is corrupt, older than 30 days or measured on
+another machine (or MLX version) is ignored (said once); an unwritable folder keeps the costs in
+memory (said once). ``dflash calibrate`` prints the table and a plot, ``--compare-learned`` the
+learnt costs of a generation against it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,13 +50,21 @@ from .console import log, say_once
 from .errors import MissingDependencyError
 
 FORMAT = "dflash-cost/2"
+LEARNED_FORMAT = "dflash-learned-cost/1"
+KINDS = ("verify", "step", "draft")
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_ROWS = (2, 4, 8, 16)
 CONTEXTS = (128, 1024)
 PIPELINED_STEPS = 8  # plain steps per pipelined timing (the first pass is not hidden)
 MAX_AGE_DAYS = 30  # drivers, thermals and background load change: re-measure now and then
 
-_memory: dict[str, CostModel] = {}
+RECENT = 16  # timings kept per (kind, rows, context bucket): recent enough to follow the machine
+QUANTILE = 0.2  # of the recent timings: near the fastest, not one lucky outlier
+PRIOR_ROW_COST = 0.5  # an extra verify row, in one-row passes, until a multi-row pass is timed
+PRIOR_STEP_MS = 1.0  # before any pass is timed: only ratios matter, so any unit will do
+SAVE_EVERY_S = 5.0  # learnt costs are written at most this often (and by flush())
+
+_memory: dict[str, PassCosts] = {}
 _lock = threading.Lock()
 
 
@@ -93,11 +110,247 @@ class CostModel:
         """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
         return 0.0 if rows <= 1 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
 
+    def observe(self, kind: str, rows: int, context: int, seconds: float) -> None:
+        """A measured table learns nothing (:class:`PassCosts` does)."""
+
     def table(self) -> list[dict]:
         step = {c: self.verify(1, c) for c in self.contexts}
         return [{"rows": r, **{f"verify_ms@{c}": round(self.verify(r, c), 2) for c in self.contexts},
                  **{f"x_step@{c}": round(self.verify(r, c) / step[c], 2) for c in self.contexts}}
                 for r in self.rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Learnt from decoding
+
+
+def context_bucket(context: int) -> int:
+    """Contexts are grouped by powers of two (0-1, 2-3, 4-7, ...): a pass costs about the same
+    within one."""
+    return max(0, int(context)).bit_length()
+
+
+def low_quantile(values, q: float = QUANTILE) -> float:
+    """The ``q`` quantile (nearest rank, from below) of ``values``: the price of a pass when the
+    machine is not busy with something else, without trusting one lucky timing."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def along_context(points: list[tuple[float, float]], context: float) -> float:
+    """``points`` ``(context, value)`` interpolated at ``context``; flat past both ends (a price
+    seen at one context is the best guess at another)."""
+    points = sorted(points)
+    if context <= points[0][0]:
+        return points[0][1]
+    if context >= points[-1][0]:
+        return points[-1][1]
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    return _interp(context, xs, ys)
+
+
+def along_rows(points: dict[int, float], rows: int, prior_slope: float) -> float:
+    """A price at ``rows`` from the prices ``points`` timed at some row counts (row 1 among them):
+    made monotone in rows, interpolated between them; past the largest, each extra row costs the
+    average extra row of the timed ones (``prior_slope`` when only one row count was timed)."""
+    xs = sorted(points)
+    ys = _monotone([points[x] for x in xs])
+    if rows <= xs[0]:
+        return ys[0]
+    if rows <= xs[-1]:
+        return _interp(rows, xs, ys)
+    slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0]) if len(xs) > 1 else prior_slope
+    return ys[-1] + slope * (rows - xs[-1])
+
+
+class PassCosts:
+    """The pass costs the policy prices with: a stored calibration (:class:`CostModel`) when there
+    is one, else learnt from :meth:`observe`; :meth:`learned_verify`, :meth:`learned_step` and
+    :meth:`learned_draft` always answer from what was learnt. Thread-safe."""
+
+    def __init__(self, key: str, machine: dict, path: Path | None = None,
+                 calibrated: CostModel | None = None):
+        self.key, self.machine, self.path, self.calibrated = key, machine, path, calibrated
+        self.samples: dict[tuple[str, int, int], deque] = {}
+        self.observed = 0  # passes observed by this process
+        self._lock = threading.Lock()
+        self._version = 0
+        self._estimates: tuple[int, dict] | None = None
+        self._dirty = False
+        self._saved_at = time.monotonic()
+
+    # -- learning -----------------------------------------------------------------------------
+
+    def observe(self, kind: str, rows: int, context: int, seconds: float) -> None:
+        """One pass of ``kind`` (``verify``: a target pass over ``rows`` tokens; ``step``: one
+        pipelined plain step, ``rows`` 1; ``draft``: a drafter block pass) after ``context``
+        cached tokens took ``seconds`` (issue to host read of its result)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
+        if not (rows >= 1 and math.isfinite(seconds) and seconds > 0):
+            return
+        bucket = 0 if kind == "draft" else context_bucket(context)
+        with self._lock:
+            group = self.samples.setdefault((kind, int(rows), bucket), deque(maxlen=RECENT))
+            group.append((int(context), 1000.0 * seconds))
+            self.observed += 1
+            self._version += 1
+            self._dirty = True
+            due = self.path is not None and time.monotonic() - self._saved_at >= SAVE_EVERY_S
+        if due:
+            self.flush()
+
+    def _groups(self) -> dict:
+        """``{kind: {rows: [(context, ms), ...]}}``: each group's typical context and price."""
+        with self._lock:
+            if self._estimates is not None and self._estimates[0] == self._version:
+                return self._estimates[1]
+            out: dict = {k: {} for k in KINDS}
+            for (kind, rows, _), group in self.samples.items():
+                contexts = sorted(c for c, _ in group)
+                out[kind].setdefault(rows, []).append(
+                    (contexts[len(contexts) // 2], low_quantile([ms for _, ms in group])))
+            self._estimates = (self._version, out)
+            return out
+
+    def _one_row(self, groups: dict, context: int, pipelined: bool) -> float:
+        """A one-row target pass at ``context``: a plain step (``pipelined``) or a lone pass,
+        each standing in for the other; before either was timed, the shortest multi-row pass
+        (else a drafter pass) scaled down by the prior; before anything, the prior's unit."""
+        lone, step = groups["verify"].get(1), groups["step"].get(1)
+        points = (step or lone) if pipelined else (lone or step)
+        if points is None:
+            for kind in ("verify", "draft"):
+                if groups[kind]:
+                    r = min(groups[kind])
+                    points = [(c, ms / (1 + PRIOR_ROW_COST * (r - 1))) for c, ms in groups[kind][r]]
+                    break
+        return PRIOR_STEP_MS if points is None else along_context(points, context)
+
+    def learned_step(self, context: int = 256, pipelined: bool = True) -> float:
+        """A plain step as learnt (the prior's unit before any pass was timed)."""
+        groups = self._groups()
+        ms = self._one_row(groups, context, pipelined)
+        if pipelined:  # a pipelined step never costs more than a lone pass
+            ms = min(ms, self._one_row(groups, context, False))
+        return max(1e-3, ms)
+
+    def learned_verify(self, rows: int, context: int = 256) -> float:
+        """A target pass over ``rows`` tokens as learnt, priced in one-row passes at ``context``
+        (each timed row count at the context nearest to this one it was timed at)."""
+        groups = self._groups()
+        ratios = {1: 1.0}
+        for r, points in groups["verify"].items():
+            if r > 1:
+                ratios[r] = along_context(
+                    [(c, ms / self._one_row(groups, c, False)) for c, ms in points], context)
+        return max(1e-3, self._one_row(groups, context, False)
+                   * along_rows(ratios, max(1, rows), PRIOR_ROW_COST))
+
+    def learned_draft(self, rows: int) -> float:
+        """A drafter block pass of ``rows`` rows as learnt (0 for no drafting); one not yet timed
+        is priced like a target pass over as many rows."""
+        if rows <= 1:
+            return 0.0
+        points = {r: min(ms for _, ms in pts) for r, pts in self._groups()["draft"].items()}
+        if not points:
+            return self.learned_verify(rows)
+        if len(points) == 1:  # one block length timed: proportional to rows beyond it
+            (r, ms), = points.items()
+            return ms if rows <= r else ms * rows / r
+        return max(0.0, along_rows(points, rows, 0.0))
+
+    # -- pricing ------------------------------------------------------------------------------
+
+    def verify(self, rows: int, context: int = 256) -> float:
+        """Milliseconds of one target pass over ``rows`` tokens after ``context`` cached ones."""
+        if self.calibrated is not None:
+            return self.calibrated.verify(rows, context)
+        return self.learned_verify(rows, context)
+
+    def step(self, context: int = 256, pipelined: bool = True) -> float:
+        """Milliseconds of one plain one-token step: pipelined (greedy decoding) or a lone pass."""
+        if self.calibrated is not None:
+            return self.calibrated.step(context, pipelined)
+        return self.learned_step(context, pipelined)
+
+    def draft(self, rows: int) -> float:
+        """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
+        if self.calibrated is not None:
+            return self.calibrated.draft(rows)
+        return self.learned_draft(rows)
+
+    @property
+    def rows(self) -> list[int]:
+        """The verify row counts the prices cover (a tree budget's range)."""
+        return list(self.calibrated.rows) if self.calibrated is not None else list(ROWS)
+
+    def source(self) -> str:
+        """``calibrated`` or ``learnt``: what the prices come from."""
+        return "calibrated" if self.calibrated is not None else "learnt"
+
+    def timed(self, kind: str) -> dict[int, int]:
+        """``{rows: timings}`` of the passes of ``kind`` learnt from (all contexts)."""
+        with self._lock:
+            out: dict[int, int] = {}
+            for (k, rows, _), group in self.samples.items():
+                if k == kind:
+                    out[rows] = out.get(rows, 0) + len(group)
+            return dict(sorted(out.items()))
+
+    # -- storing ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            return {"format": LEARNED_FORMAT, "key": self.key, "machine": self.machine,
+                    "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "samples": [[kind, rows, bucket, [list(s) for s in group]]
+                                for (kind, rows, bucket), group in sorted(self.samples.items())]}
+
+    def load_samples(self, data: dict) -> None:
+        """Start from stored timings (a dict written by :meth:`to_dict`)."""
+        with self._lock:
+            for kind, rows, bucket, group in data["samples"]:
+                if kind in KINDS:
+                    self.samples[(kind, int(rows), int(bucket))] = deque(
+                        ((int(c), float(ms)) for c, ms in group), maxlen=RECENT)
+            self._version += 1
+
+    def flush(self) -> None:
+        """Store what was learnt since the last time (atomically; an unwritable folder is said
+        once and the costs stay in memory)."""
+        with self._lock:
+            if not self._dirty or self.path is None:
+                return
+            self._dirty, self._saved_at = False, time.monotonic()
+        try:
+            _write_atomic(self.path, json.dumps(self.to_dict()) + "\n")
+        except OSError as e:
+            say_once("unwritable", f"cannot save the learnt pass costs in {self.path.parent} "
+                      f"({e}); keeping them in memory for this process")
+
+    @classmethod
+    def stored(cls, key: str) -> PassCosts:
+        """This pair's costs as stored on this machine: its calibration, if any, and what earlier
+        processes learnt (each ignored, said once, when corrupt, stale or foreign)."""
+        machine = machine_id()
+        path = learned_file(key)
+        costs = cls(key, machine, path=path, calibrated=_read(calibration_file(key), key))
+        if not path.is_file():
+            return costs
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != LEARNED_FORMAT or data.get("key") != key:
+                raise ValueError("not the learnt costs of this pair")
+            age_days = (time.time() - os.path.getmtime(path)) / 86400
+            if age_days > MAX_AGE_DAYS or data.get("machine") != machine:
+                say_once(f"{path}:foreign", f"learnt pass costs {path} are from another machine, MLX "
+                          "version or month; learning afresh")
+                return costs
+            costs.load_samples(data)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            say_once(f"{path}:unreadable", f"learnt pass costs {path} are unreadable ({e}); learning afresh")
+        return costs
 
 
 def machine_id() -> dict:
@@ -246,6 +499,11 @@ def calibration_file(key: str) -> Path:
     return calibration_dir() / f"{key}.json"
 
 
+def learned_file(key: str) -> Path:
+    """Where the costs learnt while decoding with the pair of this :func:`cost_key` are stored."""
+    return calibration_dir() / f"{key}.learned.json"
+
+
 def to_json(model: CostModel) -> str:
     return json.dumps(asdict(model), indent=1) + "\n"
 
@@ -262,40 +520,77 @@ def _read(path: Path, key: str) -> CostModel | None:
         if model.key != key or len(model.verify_ms) != len(model.contexts):
             raise ValueError("not a cost model for this pair")
     except (ValueError, TypeError, OSError) as e:
-        say_once(str(path), f"calibration {path} is unreadable ({e}); measuring again")
+        say_once(str(path), f"calibration {path} is unreadable ({e}); ignoring it")
         return None
     age_days = (time.time() - os.path.getmtime(path)) / 86400
     if age_days > MAX_AGE_DAYS:
-        say_once(str(path), f"calibration {path} is {age_days:.0f} days old; measuring again")
+        say_once(str(path), f"calibration {path} is {age_days:.0f} days old; ignoring it")
         return None
     if model.machine != machine_id():
         say_once(str(path), f"calibration {path} was measured on another machine or MLX "
-                  "version; measuring again")
+                  "version; ignoring it")
         return None
     return model
 
 
-def cost_model(parts, draft, refresh: bool = False, quiet: bool = False) -> CostModel:
-    """The cost model of this (target, drafter) on this machine: from memory, from the cache
-    folder, or measured now (and saved)."""
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def calibrate(parts, draft, refresh: bool = False, quiet: bool = False) -> CostModel:
+    """The measured cost table of this (target, drafter) on this machine (``dflash calibrate``):
+    the stored one, or measured now and stored; from now on it is what the policy prices with."""
+    key = cost_key(parts, draft)
+    path = calibration_file(key)
+    model = None if refresh else _read(path, key)
+    if model is None:
+        model = measure(parts, draft, quiet=quiet)
+        try:
+            _write_atomic(path, to_json(model))
+        except OSError as e:
+            say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
+                      "keeping it in memory for this process")
+    costs = cost_model(parts, draft)
+    costs.calibrated = model
+    return model
+
+
+def cost_model(parts, draft) -> PassCosts:
+    """The pass costs of this (target, drafter) on this machine, at once: the stored calibration
+    when there is one, else what decoding has learnt (from the stored learnt costs, or from the
+    prior). One object per pair and process; it never measures anything itself."""
     key = cost_key(parts, draft)
     with _lock:
-        if not refresh and key in _memory:
-            return _memory[key]
-        path = calibration_file(key)
-        model = None if refresh else _read(path, key)
-        if model is None:
-            model = measure(parts, draft, quiet=quiet)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(to_json(model))
-                os.replace(tmp, path)
-            except OSError as e:
-                say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
-                          "keeping it in memory for this process")
-        _memory[key] = model
-        return model
+        costs = _memory.get(key)
+        if costs is None:
+            costs = PassCosts.stored(key)
+            _memory[key] = costs
+        return costs
+
+
+def fresh_cost_model(parts, draft, calibrated: bool = False,
+                     path: Path | None = None) -> PassCosts:
+    """Replace this pair's pass costs by ones that start from the prior (``calibrated``: with the
+    stored calibration, if any) and return them; ``path``: where they are stored (None: nowhere).
+    What ``dflash calibrate --compare-learned`` starts from."""
+    key = cost_key(parts, draft)
+    costs = PassCosts(key, machine_id(), path=path)
+    if calibrated:
+        costs.calibrated = _read(calibration_file(key), key)
+    with _lock:
+        _memory[key] = costs
+    return costs
+
+
+def flush_all() -> None:
+    """Store what every pair's costs learnt since they were last stored."""
+    with _lock:
+        costs = list(_memory.values())
+    for c in costs:
+        c.flush()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +614,42 @@ def format_table(model: CostModel) -> str:
             for c, ms in zip(model.contexts, model.step_ms))]
     lines += ["", "draft: one drafter block pass", "block_rows          ms"]
     lines += [f"{n:>10} {ms:>11.2f}" for n, ms in zip(model.draft_rows, model.draft_ms)]
+    return "\n".join(lines)
+
+
+def compare_learned(learned: PassCosts, calibrated: CostModel) -> list[dict]:
+    """Each pass shape decoding timed: its learnt price (at the context it was mostly timed at)
+    against the calibration's at that context, and their ratio."""
+    rows_out = []
+    groups = learned._groups()
+    for kind in KINDS:
+        for rows, points in sorted(groups[kind].items()):
+            for context, ms in sorted(points):
+                if kind == "verify":
+                    ref = calibrated.verify(rows, context)
+                elif kind == "step":
+                    ref = calibrated.step(context)
+                else:
+                    ref = calibrated.draft(rows)
+                n = sum(len(g) for (k, r, b), g in learned.samples.items()
+                        if k == kind and r == rows and (kind == "draft" or
+                                                        b == context_bucket(context)))
+                rows_out.append({"kind": kind, "rows": rows, "context": context, "timings": n,
+                                 "learnt_ms": round(ms, 3), "calibrated_ms": round(ref, 3),
+                                 "ratio": round(ms / ref, 3) if ref > 0 else None})
+    return rows_out
+
+
+def format_comparison(rows: list[dict], tolerance: float = 0.15) -> str:
+    """:func:`compare_learned` as a table; ``ok`` marks prices within ``tolerance``."""
+    lines = [f"{'pass':>7} {'rows':>5} {'context':>8} {'timings':>8} {'learnt ms':>10} "
+             f"{'calibrated ms':>14} {'ratio':>6}"]
+    for r in rows:
+        ok = r["ratio"] is not None and abs(r["ratio"] - 1) <= tolerance
+        lines.append(f"{r['kind']:>7} {r['rows']:>5} {r['context']:>8} {r['timings']:>8} "
+                     f"{r['learnt_ms']:>10.2f} {r['calibrated_ms']:>14.2f} "
+                     f"{r['ratio'] if r['ratio'] is not None else float('nan'):>6.2f}"
+                     f"{'' if ok else '  (off by more than ' + f'{tolerance:.0%})'}")
     return "\n".join(lines)
 
 
