@@ -327,3 +327,17 @@ def test_magpie_steering_shapes_turns_without_being_kept(target, tmp_path, monke
     assert {h[0]["content"] for h in seen_headers} == {"in French", "in German"}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all([m["role"] for m in r["messages"]] == ["user"] for r in rows)
+
+
+def test_training_reads_a_shard_folder(tmp_path):
+    from dflash.training.data import read_samples
+
+    store = ShardStore(tmp_path / "w", "fp", None, {"*": 2})
+    for i in range(3):
+        store.append({**rec(i), "response_ids": [5, 6, 7, 2]})
+    store.close()
+    samples = read_samples(tmp_path / "w")
+    assert [s.id for s in samples] == ["chat-0", "chat-1", "chat-2"]
+    assert samples[0].prompt_len == 3 and list(samples[0].ids) == [1, 2, 0, 5, 6, 7, 2]
+    publish(tmp_path / "w", tmp_path / "repo")  # the repository folder: sealed shards only
+    assert [s.id for s in read_samples(tmp_path / "repo")] == ["chat-0", "chat-1"]

@@ -39,6 +39,17 @@ def read_records(path: Path) -> Iterator[tuple[int, object]]:
                 yield lineno, None
 
 
+def _records_of(path: Path) -> Iterator[tuple[int, object]]:
+    """``read_records`` of a JSONL file, or the records of a shard folder (``dflash records``:
+    sealed shards checked against their manifest, then the open ones), numbered in order."""
+    if Path(path).is_dir():
+        from .shards import iter_records
+
+        yield from enumerate(iter_records(path), 1)
+    else:
+        yield from read_records(path)
+
+
 def open_append(path: Path):
     """A JSONL file opened for appending, after ending a line that an interrupted run (killed,
     or stopped by a full disk) left unfinished: the cut line stays unreadable on its own instead
@@ -114,9 +125,11 @@ def read_samples(data: str | Path | list, max_len: int = 1024, skip_truncated: b
     files = sorted(data.glob("gen-*.jsonl")) if data.is_dir() else [data]
     if data.is_dir() and not files:
         files = sorted(data.glob("*.jsonl"))
+    if data.is_dir() and (data / "manifest.json").is_file():  # sealed shards (``dflash records``)
+        files = [data]
     samples: dict[str, Sample] = {}
     for path in files:
-        for lineno, rec in read_records(path):
+        for lineno, rec in _records_of(path):
             if rec is None:
                 continue  # cut short by an interrupted datagen: it is regenerated there
             if not isinstance(rec, dict):
