@@ -22,7 +22,7 @@ from tiny_models import write_target
 from dflash.errors import DataSetError
 from dflash.prompts import PromptFileError
 from dflash.training import sources as S
-from dflash.training.records import run_records
+from dflash.training.records import run_records, seal_now
 from dflash.training.shards import ShardStore, compress, iter_records, publish, read_manifest
 
 
@@ -248,6 +248,10 @@ def test_run_records_resumes_without_loss_or_repeat(target, tmp_path):
     run_records(str(target), work, None, max_records=3, **kw)
     first = list(iter_records(work))
     assert len(first) == 3
+    (tmp_path / "SEAL").touch()  # the job seals its open shards, full or not, between records
+    run_records(str(target), work, None, max_records=2, **kw)
+    assert not (tmp_path / "SEAL").exists()
+    assert sum(e["count"] for e in read_manifest(work)["shards"].values()) == 3
     stats = run_records(str(target), work, None, **kw)
     assert stats["finished"]
     rows = list(iter_records(work))
@@ -327,6 +331,21 @@ def test_magpie_steering_shapes_turns_without_being_kept(target, tmp_path, monke
     assert {h[0]["content"] for h in seen_headers} == {"in French", "in German"}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all([m["role"] for m in r["messages"]] == ["user"] for r in rows)
+
+
+def test_seal_now_without_a_job_seals_partial_shards(tmp_path):
+    store = ShardStore(tmp_path / "w", "fp", None)
+    for i in range(3):
+        store.append(rec(i, domain="code" if i else "chat"))
+    store.close()
+    seal_now(tmp_path / "w", home=tmp_path / "home")
+    shards = read_manifest(tmp_path / "w")["shards"]
+    assert {k: v["count"] for k, v in shards.items()} == {"chat-0001": 1, "code-0001": 2}
+    assert not list((tmp_path / "w" / "open").glob("*.jsonl"))
+    store = ShardStore(tmp_path / "w", "fp", None)
+    store.append(rec(7, domain="code"))  # the next records start the next shard
+    store.close()
+    assert (tmp_path / "w" / "open" / "code-0002.jsonl").is_file()
 
 
 def test_training_reads_a_shard_folder(tmp_path):

@@ -29,6 +29,7 @@ import gzip
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..console import log
@@ -87,13 +88,32 @@ def legacy_records(repo_root: Path = REPO) -> list[dict]:
     return out
 
 
-def _wait_while_paused(pause: Path) -> None:
+def _wait_while_paused(pause: Path, between: Callable[[], None] | None = None) -> None:
+    """Sleep while ``pause`` exists, running ``between`` (e.g. a seal request) as it waits."""
+    if between is not None:
+        between()
     if not pause.exists():
         return
     log(f"records: paused ({pause} exists)")
     while pause.exists():
         time.sleep(2.0)
+        if between is not None:
+            between()
     log("records: resumed")
+
+
+def _seal_request(store: ShardStore, request: Path) -> Callable[[], None]:
+    """``$DFLASH_HOME/SEAL``: seal every open shard now, full or not (before a machine goes away:
+    a sealed shard can be published and committed), then remove the request."""
+    def check() -> None:
+        if not request.exists():
+            return
+        for path in sorted((store.work / "open").glob("*.jsonl")):
+            sealed = store.seal(path.stem.rsplit("-", 1)[0])
+            if sealed is not None:
+                log(f"records: sealed {sealed.name} on request")
+        request.unlink(missing_ok=True)
+    return check
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -133,6 +153,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
     store = ShardStore(work, target_fingerprint(parts, config), repo, SHARD_SIZES)
     home.mkdir(parents=True, exist_ok=True)
     pause, stop = home / "PAUSE", home / "STOP"
+    seal = _seal_request(store, home / "SEAL")
     if pid_file:
         _write_json(home / "datagen.pid.json", {"pid": os.getpid(), "started": time.time()})
         (home / "datagen.pid").write_text(f"{os.getpid()}\n")
@@ -179,7 +200,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
 
     try:
         for start in range(0, len(todo), chunk):
-            _wait_while_paused(pause)
+            _wait_while_paused(pause, seal)
             if stop.exists() or (max_records is not None and made >= max_records):
                 stopped = True
                 break
@@ -222,7 +243,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
                         s = status()
                         log(f"records: {made} made ({s['records_per_cpu_hour']}/CPU-h, "
                             f"{s['records_per_wall_hour']}/h), {s['store']['total']} in shards")
-                    _wait_while_paused(pause)
+                    _wait_while_paused(pause, seal)
                     if max_records is not None and made >= max_records:
                         break
                 if max_records is not None and made >= max_records:
@@ -269,6 +290,46 @@ def magpie_stage(target: str, n: int, *, home: Path, repo: Path, pause: Path,
     return final
 
 
+def _running_job(home: Path) -> int | None:
+    try:
+        pid = int((home / "datagen.pid").read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def seal_now(work: Path, home: Path | None = None, timeout: float = 600.0) -> Path:
+    """Seal every open shard, full or not: a running job is asked to (``$DFLASH_HOME/SEAL``,
+    seen between records) so that nothing writes to a shard as it is sealed; with no job
+    running, the shards are sealed here."""
+    from .shards import read_manifest
+
+    home = Path(home) if home is not None else cache_dir()
+    pid = _running_job(home)
+    if pid is not None:
+        request = home / "SEAL"
+        request.touch()
+        log(f"records: asked the running job (pid {pid}) to seal its open shards")
+        deadline = time.time() + timeout
+        while request.exists() and time.time() < deadline and _running_job(home) == pid:
+            time.sleep(1.0)
+        if request.exists():
+            raise DFlashError(f"records: the job (pid {pid}) did not seal within {timeout:.0f} s; "
+                              f"{request} is still there")
+        return work
+    fingerprint = read_manifest(work)["target_fingerprint"]
+    if fingerprint is None:
+        raise DataSetError(f"{work}: no shards to seal")
+    store = ShardStore(work, fingerprint)
+    (home / "SEAL").unlink(missing_ok=True)  # a request no job will see any more
+    for path in sorted((work / "open").glob("*.jsonl")):
+        sealed = store.seal(path.stem.rsplit("-", 1)[0])
+        if sealed is not None:
+            log(f"records: sealed {sealed.name}")
+    return work
+
+
 def write_heldout(out: str | Path | None = None, target: str | None = None) -> list[Path]:
     """Write the agent and long-context held-out splits (refusing to change existing ones)."""
     from transformers import AutoTokenizer
@@ -301,8 +362,9 @@ def _write_json_text(path: Path, text: str) -> None:
 
 
 def add_records_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("action", choices=("run", "status", "publish", "heldout"),
-                   help="run: generate (resumable); status: counts; publish: copy sealed shards "
+    p.add_argument("action", choices=("run", "status", "seal", "publish", "heldout"),
+                   help="run: generate (resumable); status: counts; seal: seal the open shards "
+                        "now, full or not (asks a running job to); publish: copy sealed shards "
                         "into the repository; heldout: write the agent/long held-out splits")
     p.add_argument("--target", help="mlx-lm target folder (default: the built-in SmolLM2 target)")
     p.add_argument("--work", default=None,
@@ -345,6 +407,8 @@ def run_records_cli(args: argparse.Namespace):
     repo = Path(args.repo) if args.repo else default_repo()
     if args.action == "heldout":
         return write_heldout(target=args.target)
+    if args.action == "seal":
+        return seal_now(work)
     if args.action == "publish":
         new = publish(work, repo)
         for path in new:
