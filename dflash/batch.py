@@ -70,7 +70,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .backend import generation_context, generation_stream, pass_stream
 from .console import log
 from .cost_model import cost_model
 from .drafter import full_logits
@@ -85,6 +84,7 @@ from .policy import (
     make_batch_policy,
     policy_class,
 )
+from .policy.memory import PairMemory
 from .prompt_cache import PromptCache
 from .ragged_cache import RaggedArraysCache, RaggedKVCache
 from .sampling import _is_int, check_decode_settings
@@ -115,11 +115,13 @@ from .target import (
 )
 
 # Settings of the whole engine (given to BatchGenerator), not of one request.
-ENGINE_SETTINGS = ("block_size", "policy", "min_confidence", "tree_budget", "prefill_step_size")
+ENGINE_SETTINGS = ("block_size", "policy", "min_confidence", "tree_budget", "prefill_step_size",
+                   "memory")
 # Where each engine setting is given instead (None: BatchGenerator has none).
 ENGINE_SETTING_HOME = {"block_size": "BatchGenerator(block_size=...)",
                        "policy": "BatchGenerator(policy=...)",
                        "prefill_step_size": "BatchGenerator(prefill_chunk=...)",
+                       "memory": "BatchGenerator(memory=...)",
                        "min_confidence": None, "tree_budget": None}
 REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).parameters
                          if name not in ("parts", "draft", "tokenizer", "prompt")
@@ -198,12 +200,10 @@ class BatchGenerator:
 
     def __init__(self, model, draft, tokenizer, *, max_batch: int = 8, prefill_chunk: int = 256,
                  block_size: int | None = None, policy: str = "auto",
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, memory: PairMemory | None = None):
         self.parts = target_parts(model)
         check_compatible(self.parts, draft)
         self.draft, self.tokenizer = draft, tokenizer
-        self.costs = cost_model(self.parts, draft)  # told each batched pass's time
-        self.stream = generation_stream()  # mlx-lm's: every pass of a step runs on it
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if not _is_int(value) or value < 1:
                 raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
@@ -212,6 +212,7 @@ class BatchGenerator:
         check_decode_settings(self.block_size, 0, self.prefill_chunk, 0.0)
         check_policy(policy)
         self.policy = policy
+        self.memory = memory  # every sequence's policy starts from it (None: the drafter's)
         self.fallback = fallback_reason(self.parts, draft)
         if self.fallback is not None:
             log(f"dflash: {self.fallback}; decoding the batch one sequence at a time")
@@ -259,7 +260,8 @@ class BatchGenerator:
                 raise GenerationConfigError(f"{name}: not a generation setting")
         request = build_request(self.parts, self.draft, self.tokenizer, prompt,
                                 block_size=self.block_size, policy=self.policy,
-                                prefill_step_size=self.prefill_chunk, **settings)
+                                prefill_step_size=self.prefill_chunk, memory=self.memory,
+                                **settings)
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
         state = None if self.fallback else \
             new_state(self.parts, self.draft, request, None, None, self.cost)
@@ -290,10 +292,6 @@ class BatchGenerator:
     def step(self) -> list[BatchEvent]:
         """One engine step: leaves, at most one prefill chunk, then one decode cycle unless a
         burst of prompts is still being prefilled (see :meth:`_prefill_first`)."""
-        with pass_stream(self.stream):
-            return self._step()
-
-    def _step(self) -> list[BatchEvent]:
         events: list[BatchEvent] = []
         self._leave_cancelled(events)
         if self.fallback is not None:
@@ -351,6 +349,8 @@ class BatchGenerator:
         seq.stats.reused_prompt_tokens = seq.prefilled
 
     def _event(self, seq: _Sequence, response: DFlashResponse, events: list[BatchEvent]) -> None:
+        if response.finish_reason is not None and seq.state is not None:
+            seq.state.policy.finish()
         if response.tokens or response.text or response.finish_reason is not None:
             events.append(BatchEvent(seq.uid, response.text, list(response.tokens),
                                      response.finish_reason, response))
@@ -389,7 +389,6 @@ class BatchGenerator:
         ids, begin = seq.request.prompt_ids, seq.prefilled
         chunk = ids[begin:begin + budget]
         last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache)
-        mx.clear_cache()  # after each prompt chunk, as mlx-lm's prefill
         seq.prefilled = begin + len(chunk)
         if seq.request.progress:
             seq.request.progress(seq.prefilled, len(ids))
@@ -517,7 +516,6 @@ class BatchGenerator:
 
     def _draft(self, plan: _PassPlan) -> None:
         """One drafter pass for every row; each row's top probabilities kept (``conf``)."""
-        started = time.perf_counter()
         self._sync_drafter()
         anchors = [s.state.history[-1] for s in self.rows]
         # Scores over the draft vocabulary only (as the single-sequence cycle reads them).
@@ -529,8 +527,6 @@ class BatchGenerator:
         top_lp, top_ids = draft_candidates(plan.scores.reshape(-1, n_vocab), plan.columns, 1)
         plan.log_conf = list(top_lp[:, 0].reshape(batch_rows, block_rows))
         plan.top_ids = top_ids[:, 0].reshape(batch_rows, block_rows)
-        self.costs.observe("draft", batch_rows * block_rows,
-                           max(len(s.state.fed) for s in self.rows), time.perf_counter() - started)
         for s, lc in zip(self.rows, plan.log_conf):
             s.conf = np.exp(lc.astype(np.float64))
 
@@ -568,7 +564,6 @@ class BatchGenerator:
         logits, taps = forward(self.parts, mx.array(tokens), self.cache,
                                self.draft.target_layer_ids, trace)
         steps, keep = [], []
-        longest = max(len(s.state.fed) for s in self.rows)
         for i, s in enumerate(self.rows):
             props = proposals[i]
             a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
@@ -589,9 +584,6 @@ class BatchGenerator:
             steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props,
                                     lookup=looked))
             keep.append(a + 1)
-        # Every row's accepted count read on the host: the pass is done.
-        self.costs.observe("verify", len(self.rows) * width, longest,
-                           time.perf_counter() - drafted)
         rollback_rows(self.cache, trace, keep, width)
         mx.async_eval([c.state for c in self.cache])
         return steps
@@ -626,23 +618,24 @@ class BatchGenerator:
 
 def batch_generate(model, draft, tokenizer, prompts: Sequence[str | Sequence[int]], *,
                    max_batch: int = 8, prefill_chunk: int = 256, block_size: int | None = None,
-                   policy: str = "auto", **settings) -> list[GenerationResult]:
+                   policy: str = "auto", memory: PairMemory | None = None,
+                   **settings) -> list[GenerationResult]:
     """Generate for every prompt through one :class:`BatchGenerator`; results in input order.
 
     ``settings`` are :func:`~dflash.speculative.stream_generate`'s (``max_tokens``,
     ``temperature``, ``stop``, ...), the same for every prompt.
     """
     engine = BatchGenerator(model, draft, tokenizer, max_batch=max_batch,
-                            prefill_chunk=prefill_chunk, block_size=block_size, policy=policy)
+                            prefill_chunk=prefill_chunk, block_size=block_size, policy=policy,
+                            memory=memory)
     uids = [engine.insert(p, **settings) for p in prompts]
     text: dict[int, list[str]] = {u: [] for u in uids}
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     last: dict[int, DFlashResponse] = {}
-    with generation_context(model):  # as mlx-lm's batch_generate: the wired limit (Metal)
-        while engine.active or engine.pending:
-            for e in engine.step():
-                text[e.uid].append(e.text)
-                tokens[e.uid].extend(e.tokens)
-                last[e.uid] = e.stats
+    while engine.active or engine.pending:
+        for e in engine.step():
+            text[e.uid].append(e.text)
+            tokens[e.uid].extend(e.tokens)
+            last[e.uid] = e.stats
     return [GenerationResult("".join(text[u]), tokens[u], last[u].finish_reason, last[u])
             for u in uids]

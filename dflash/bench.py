@@ -116,7 +116,7 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
                 seed: int, min_confidence: float | None = None,
                 policy: str | None = None, tree_budget: int | None = None,
-                lookup: bool = True) -> dict:
+                lookup: bool = True, memory=None) -> dict:
     from .speculative import stream_generate
 
     tokens: list[int] = []
@@ -125,7 +125,8 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
     for r in stream_generate(pair.model, pair.draft, pair.tokenizer, list(ids),
                              block_size=block_size, max_tokens=max_tokens, seed=seed,
                              min_confidence=min_confidence, policy=policy,
-                             tree_budget=tree_budget, lookup=lookup, **sampling):
+                             tree_budget=tree_budget, lookup=lookup, memory=memory,
+                             **sampling):
         if first is None:
             first = time.perf_counter()
         tokens.extend(r.tokens)
@@ -282,11 +283,12 @@ def run_bench(model: str | None = None, draft: str | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
               pair=None, min_confidence: float | None = None,
               policy: str | None = None, tree_budget: int | None = None,
-              lookup: bool = True) -> dict:
+              lookup: bool = True, pair_memory: str | Path | None = None) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
-    (the built-in pair where ``None``).
+    (the built-in pair where ``None``). The ``auto`` policy's runs share one pair memory, empty
+    at the start unless ``pair_memory`` names a file (read, and saved back at the end).
     """
     say = log or (lambda _msg: None)
     if isinstance(block_sizes, (list, tuple)) and None in block_sizes:
@@ -317,13 +319,14 @@ def run_bench(model: str | None = None, draft: str | None = None,
                              **(template_kwargs or {})) for item in items]
     greedy = temperature == 0
 
-    from .policy.memory import pair_memory
+    from .policy.memory import PairMemory
 
-    # What the auto policy starts from: a fresh calibration, or what earlier runs stored.
-    # (Sampled runs here are seeded, and a seeded generation never uses the memory: the same
-    # seed must give the same text.)
-    memory = pair_memory(pair.model, pair.draft, pair.draft.block_size - 1).source if greedy \
-        else "not used (seeded sampling)"
+    # What the auto policy starts from: nothing, or what a stored memory says. (Sampled runs
+    # here are seeded, and a seeded generation never uses the memory: the same seed must give
+    # the same text.)
+    rows = pair.draft.block_size - 1
+    pair_memory = PairMemory(rows) if pair_memory is None else PairMemory.open(pair_memory, rows)
+    memory = pair_memory.source if greedy else "not used (seeded sampling)"
     say(f"pair memory: {memory}")
     if warmup:
         say("warming up ...")
@@ -331,7 +334,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
         _run_baseline(pair, encoded[0], n, sampling, seed)
         for bs in sizes:
             _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy,
-                        tree_budget, lookup)
+                        tree_budget, lookup, pair_memory)
 
     base_runs: list[list[dict]] = [[] for _ in items]
     runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
@@ -351,12 +354,13 @@ def run_bench(model: str | None = None, draft: str | None = None,
                     what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
                     r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence,
-                                    policy, tree_budget, lookup)
+                                    policy, tree_budget, lookup, pair_memory)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
                 say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
     elapsed = time.perf_counter() - tic
+    pair_memory.save()
     from .policy import policy_class
 
     plain_ms = _plain_pricer(pair) if policy_class(policy_used).needs_cost else None
@@ -648,11 +652,11 @@ def _percentile(xs: list[float], q: float) -> float | None:
 
 
 def _ours(pair, prompts: list[list[int]], clients: int, max_tokens: int, policy: str,
-          max_batch: int | None = None) -> dict:
+          max_batch: int | None = None, memory=None) -> dict:
     from .batch import BatchGenerator
 
     engine = BatchGenerator(pair.model, pair.draft, pair.tokenizer,
-                            max_batch=max_batch or clients, policy=policy)
+                            max_batch=max_batch or clients, policy=policy, memory=memory)
 
     def step():
         return [(e.uid, e.tokens, e.finish_reason is not None, e.stats) for e in engine.step()]
@@ -689,13 +693,14 @@ def _mlx_lm(pair, prompts: list[list[int]], clients: int, max_tokens: int) -> di
     return out
 
 
-def _single(pair, prompts: list[list[int]], max_tokens: int, policy: str) -> dict:
+def _single(pair, prompts: list[list[int]], max_tokens: int, policy: str, memory=None) -> dict:
     """The single-sequence engine, one prompt after another (the one-client reference)."""
     from .speculative import stream_generate
 
     def insert(ids):
         insert.streams.append(stream_generate(pair.model, pair.draft, pair.tokenizer, ids,
-                                              max_tokens=max_tokens, policy=policy))
+                                              max_tokens=max_tokens, policy=policy,
+                                              memory=memory))
         return len(insert.streams) - 1
 
     insert.streams = []
@@ -742,12 +747,15 @@ def run_concurrency_bench(model: str | None = None, draft: str | None = None,
     encoded = [encode_prompt(pair.tokenizer, item, chat_template=chat_template, system=system,
                              **(template_kwargs or {})) for item in items]
     policy = policy or "auto"
+    from .policy.memory import PairMemory
+
+    memory = PairMemory(pair.draft.block_size - 1)  # the run's own: nothing earlier runs taught
     if warmup:
         say("warming up ...")
-        _ours(pair, encoded[:concurrency], concurrency, 8, policy, max_batch)
+        _ours(pair, encoded[:concurrency], concurrency, 8, policy, max_batch, memory)
         _mlx_lm(pair, encoded[:concurrency], concurrency, 8)
     say(f"dflash batched engine, {concurrency} at a time ...")
-    ours = _ours(pair, encoded, concurrency, max_tokens, policy, max_batch)
+    ours = _ours(pair, encoded, concurrency, max_tokens, policy, max_batch, memory)
     say(f"mlx-lm batching, {concurrency} at a time ...")
     theirs = _mlx_lm(pair, encoded, concurrency, max_tokens)
     result = {"config": _environment(pair) | {"prompts": source, "n_prompts": len(items),
@@ -761,7 +769,7 @@ def run_concurrency_bench(model: str | None = None, draft: str | None = None,
               if theirs["tokens_per_cpu_s"] else None}
     if concurrency == 1:
         say("single-sequence engine, one at a time ...")
-        single = _single(pair, encoded, max_tokens, policy)
+        single = _single(pair, encoded, max_tokens, policy, memory)
         result["single"] = single
         result["batched_vs_single"] = ours["tokens_per_s"] / single["tokens_per_s"] \
             if single["tokens_per_s"] else None

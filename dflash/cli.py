@@ -116,6 +116,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default info)")
+    add_pair_memory_arg(g)
 
 
 def add_policy_args(g) -> None:
@@ -133,6 +134,25 @@ def add_policy_args(g) -> None:
     g.add_argument("--min-confidence", type=float, default=None,
                    help="with the confidence policy (implied when given): verify drafted tokens "
                         "only while the drafter's running confidence stays at or above this")
+    add_pair_memory_arg(g)
+
+
+def add_pair_memory_arg(g) -> None:
+    g.add_argument("--pair-memory", metavar="PATH", default=None,
+                   help="with auto: start from what the pair's earlier generations taught, "
+                        "stored in PATH (created when missing), and save what these teach there "
+                        "(default: nothing read or written)")
+
+
+def pair_memory(args: argparse.Namespace):
+    """The pair memory ``--pair-memory`` names (``None``: none)."""
+    if getattr(args, "pair_memory", None) is None:
+        return None
+    from .policy.memory import PairMemory
+
+    memory = PairMemory.open(args.pair_memory)
+    log(f"pair memory: {memory.source}")
+    return memory
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -144,7 +164,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         repetition_context_size=args.repetition_context_size,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, proposal=args.proposal, stop=args.stop,
-        prefill_step_size=args.prefill_step_size)
+        prefill_step_size=args.prefill_step_size, memory=pair_memory(args))
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
@@ -389,7 +409,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_context=args.max_context,
                            default_max_tokens=args.default_max_tokens,
                            block_size=args.block_size, max_queue=args.max_queue,
-                           max_concurrency=args.max_concurrency, reasoning=args.reasoning)
+                           max_concurrency=args.max_concurrency, reasoning=args.reasoning,
+                           pair_memory=args.pair_memory)
     run(server, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -437,7 +458,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
         template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log,
         min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget,
-        lookup=not args.no_lookup)
+        lookup=not args.no_lookup, pair_memory=args.pair_memory)
     print(format_summary(result), flush=True)
     return 0
 

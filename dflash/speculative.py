@@ -11,8 +11,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
-from .cost_model import PassCosts, cost_model
+from .cost_model import cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import ContextLookup
@@ -34,7 +33,7 @@ from .policy import (
     make_policy,
     policy_class,
 )
-from .policy.memory import pair_memory
+from .policy.memory import PairMemory, memory_of
 from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
@@ -157,8 +156,10 @@ def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.ar
     the first block row where the product of the drafter's top probabilities falls below
     ``min_confidence`` (giving ``min_confidence`` alone selects it). Under ``"auto"`` a cycle may
     verify the context's own continuation instead of a drafted block (:mod:`dflash.lookup`: no
-    drafter pass); ``lookup=False`` verifies only the drafter's proposals. Outputs never depend
-    on the policy.
+    drafter pass); ``lookup=False`` verifies only the drafter's proposals. ``memory``: a
+    :class:`~dflash.policy.memory.PairMemory` the ``auto`` policy starts from and teaches (what
+    earlier generations of the pair measured; default: the one the drafter holds as
+    ``draft.policy_memory``, else none). Outputs never depend on the policy.
     """
     parts = target_parts(model)
     request = build_request(parts, draft, tokenizer, prompt, *args, **settings)
@@ -196,6 +197,7 @@ def build_request(
     policy: str | None = None,
     tree_budget: int | None = None,
     lookup: bool = True,
+    memory: PairMemory | None = None,
 ) -> DecodeRequest:
     """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
     field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
@@ -206,6 +208,9 @@ def build_request(
     min_confidence = 0.0 if min_confidence is None else min_confidence
     check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
     check_policy(policy)
+    if memory is not None and not isinstance(memory, PairMemory):
+        raise GenerationConfigError(
+            f"memory={type(memory).__name__}: a dflash.policy.memory.PairMemory (or None)")
     if tree_budget is not None:  # now, not at the first token: its range is the cost model's
         check_tree_budget(tree_budget, cost_model(parts, draft)
                           if policy_class(policy).needs_cost else None)
@@ -240,7 +245,7 @@ def build_request(
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
-        lookup=bool(lookup))
+        lookup=bool(lookup), memory=memory)
 
 
 def _signature() -> inspect.Signature:
@@ -273,6 +278,7 @@ class DecodeRequest:
     policy: str = "auto"
     tree_budget: int | None = None
     lookup: bool = True  # auto also verifies the context's own continuation (dflash.lookup)
+    memory: PairMemory | None = None  # what earlier generations taught (None: the drafter's)
 
 
 @dataclass
@@ -292,12 +298,6 @@ class DecodeState:
     proposed_at: list[int] = field(default_factory=list)
     cycle_tokens: int = 0  # tokens emitted by speculative cycles (mean_tau's numerator)
     lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
-    costs: PassCosts | None = None  # told each pass's time (dflash.cost_model)
-
-    def timed(self, kind: str, rows: int, context: int, seconds: float) -> None:
-        """Tell the pass costs what a pass took (from its issue to the host read of its result)."""
-        if self.costs is not None:
-            self.costs.observe(kind, rows, context, seconds)
 
     def sync_drafter(self, draft) -> None:
         """Give the drafter the features of the last committed tokens."""
@@ -338,20 +338,24 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         if prompt_cache is not None:
             prompt_cache.clear()  # caches may be mid-update
         raise
+    finally:
+        state.policy.finish()
 
 
 def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: list | None,
               cost) -> DecodeState:
     """A sequence's state before its first token, with its own verify policy (shared by the
     single-sequence and batched engines: a batched sequence that runs alone decodes with this
-    engine's cycle, on the same state), started from what the pair's earlier generations
-    taught it. ``cache is None``: its caches come later."""
+    engine's cycle, on the same state), started from what the pair's earlier generations taught
+    it where there is a memory (``request.memory``, else the drafter's, see
+    :func:`~dflash.policy.memory.memory_of`). ``cache is None``: its caches come later."""
     trees = tree_supported(parts, make_cache(parts) if cache is None else cache)
     # A seeded sampled generation reproduces only if its verify shapes do (they decide how the
-    # random stream is consumed): it starts from the raw confidence, as it always did.
+    # random stream is consumed): it starts from the raw confidence.
     seeded = not request.sampler.greedy and request.sampler.cfg.seed is not None
-    memory = pair_memory(parts.model, draft, request.block_size - 1) \
-        if cost is not None and not seeded else None
+    memory = None
+    if cost is not None and not seeded:
+        memory = request.memory if request.memory is not None else memory_of(parts.model, draft)
     return DecodeState(cache, dcache, history=list(request.prompt_ids),
                        fed=list(request.prompt_ids),
                        policy=make_policy(request.policy, request.block_size, cost,
@@ -360,8 +364,7 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                                           pipelined=request.sampler.pipelines_plain_steps,
                                           memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
-                       proposed_at=[0] * (request.block_size - 1),
-                       costs=cost if cost is not None else cost_model(parts, draft))
+                       proposed_at=[0] * (request.block_size - 1))
 
 
 def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:
@@ -447,7 +450,6 @@ def draft_block(parts, draft, request: DecodeRequest, state: DecodeState,
     """The drafter's block pass of ``rows`` rows over ``[anchor, MASK ...]``, with the new target
     features as its context; the candidates read on the host where the policy plans from them
     (or greedy v1 proposals are read from them)."""
-    started = time.perf_counter()
     state.sync_drafter(draft)
     # Scores over the draft vocabulary only (a cut vocabulary is ~1/6 of the target's): no
     # full-vocabulary row of -inf to scatter into, gather from and argmax over.
@@ -455,7 +457,6 @@ def draft_block(parts, draft, request: DecodeRequest, state: DecodeState,
     candidates = None
     if state.policy.reads_candidates or _proposes_argmax(request, draft):
         candidates = draft_candidates(scores, columns, state.policy.candidates)
-        state.timed("draft", rows, len(state.fed), time.perf_counter() - started)
     return DraftedBlock(rows, scores, columns, candidates)
 
 
@@ -493,7 +494,6 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
     logits, taps = forward(parts, mx.array([anchor] + proposals)[None], state.cache,
                            draft.target_layer_ids, trace)
     a, bonus = request.sampler.accept(logits[0], proposals, q, state.history)
-    state.timed("verify", verified, context, time.perf_counter() - drafted)
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
@@ -514,7 +514,7 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
     """
     sampler, tap_ids, policy = request.sampler, draft.target_layer_ids, state.policy
     pipelined = sampler.pipelines_plain_steps
-    started, context = time.perf_counter(), len(state.fed)
+    started = time.perf_counter()
 
     def step(token) -> tuple[mx.array, mx.array]:
         tokens = mx.array([[token]]) if isinstance(token, int) else token.reshape(1, 1)
@@ -555,9 +555,6 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
         fed, logits, taps = token, next_logits, next_taps
         i += 1
     policy.give_back(stretch - len(out))
-    # A stretch of pipelined steps prices a plain step; one step alone, a lone one-row pass.
-    state.timed("step" if pipelined and len(out) > 1 else "verify", 1, context,
-                (time.perf_counter() - started) / max(1, len(out)))
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(out, len(out) - 1, 0, started, True)
 
@@ -579,7 +576,6 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: 
         processed = sampler.process(logits, state.history, None)
     # One independent draw per node (argmax when greedy): exact without the drafter's q.
     path, bonus = walk(tree, sampler.sample(processed).tolist())
-    state.timed("verify", len(tree), start, time.perf_counter() - drafted)
     keep = [0] + path
     commit_tree_path(state.cache, start, keep, len(tree))
     state.fed += [tree.tokens[i] for i in keep]
@@ -593,16 +589,6 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
             prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
-    # As mlx-lm's stream_generate: the wired limit around the generation (Metal), each pass on
-    # the generation stream, the buffer cache cleared after the prompt, now and then, and at the
-    # end (dflash.backend.generation_context).
-    with generation_context(parts.model) as stream:
-        yield from _decode_on(parts, draft, tokenizer, request, state, reused, prompt_cache,
-                              stream)
-
-
-def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
-               prompt_cache: PromptCache | None, stream) -> Generator[DFlashResponse, None, None]:
     detok = Detokenizer(tokenizer, request.stops)
     stats = DFlashResponse(prompt_tokens=len(request.prompt_ids),
                            priced_ms=state.policy.stats.priced_ms)  # 0.0, or None: not priced
@@ -610,8 +596,7 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
-    with pass_stream(stream):
-        last_logits = _prefill(parts, draft, request, state, reused)
+    last_logits = _prefill(parts, draft, request, state, reused)
     if prompt_cache is not None:
         prompt_cache.snapshot(len(request.prompt_ids))
         stats.reused_prompt_tokens = reused
@@ -627,9 +612,7 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
         finish_cache()
         yield stats
         return
-    with pass_stream(stream):
-        emitted = [first_token(request, state, last_logits)]
-    mx.clear_cache()
+    emitted = [first_token(request, state, last_logits)]
     stats.prompt_tps = len(request.prompt_ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
     while True:
@@ -642,14 +625,11 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
             return
 
         t0 = time.perf_counter()
-        done = stats.generation_tokens
-        bs = min(request.block_size, max_tokens - done)
-        with pass_stream(stream):
-            step = speculative_step(parts, draft, request, state, bs, max_tokens - done)
+        bs = min(request.block_size, max_tokens - stats.generation_tokens)
+        step = speculative_step(parts, draft, request, state, bs,
+                                max_tokens - stats.generation_tokens)
         emitted = step.tokens
         count_step(stats, state, step, t0, time.perf_counter())
-        if (done + len(emitted)) // CLEAR_CACHE_EVERY > done // CLEAR_CACHE_EVERY:
-            mx.clear_cache()
 
 
 def first_token(request: DecodeRequest, state: DecodeState, last_logits: mx.array) -> int:

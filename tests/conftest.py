@@ -20,20 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
 
-from dflash.policy.memory import forget_pairs  # noqa: E402
-
-# A test's policy must not start from what earlier test runs stored (the stored memory's own tests
-# turn it on in a temporary DFLASH_HOME); set before any subprocess inherits the environment.
-os.environ["DFLASH_PAIR_MEMORY"] = "0"
-
 KINDS = ("qwen3", "qwen3_5", "qwen3_5_wrapped", "llama")
-
-
-@pytest.fixture(autouse=True)
-def fresh_pair_memory():
-    """Each test starts with no pair remembering earlier generations (a test's own generations
-    still teach the next ones, as in any process; nothing is stored on disk)."""
-    forget_pairs()
 
 
 @pytest.fixture(scope="session")

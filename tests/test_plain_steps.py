@@ -31,6 +31,7 @@ from dflash.policy import (
     AutoPolicy,
     Chain,
     Outcome,
+    PairMemory,
     Unverified,
     make_policy,
 )
@@ -177,9 +178,12 @@ def test_speculation_after_plain_stretches_stays_exact(kind, pairs, machine):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_never_agreeing_drafter_is_not_verified_in_the_next_generation(kind, pairs, machine):
+    """Given a pair memory (the drafter's own, here), the next generation starts behind the
+    losing streak; without one, every generation starts fresh."""
     model, tokenizer, draft, prompt, ref = pairs[kind]
     machine(model, draft, ROWS_COST)
     wrong = never_right(draft, prompt, ref)  # one loaded drafter, used twice
+    wrong.policy_memory = PairMemory()
     n = 40
     first = generate(model, wrong, tokenizer, prompt, max_tokens=n)
     second = generate(model, wrong, tokenizer, prompt, max_tokens=n)
@@ -189,6 +193,8 @@ def test_a_never_agreeing_drafter_is_not_verified_in_the_next_generation(kind, p
     assert second.stats.cycles < first.stats.cycles  # and fewer probes
     other = generate(model, never_right(draft, prompt, ref), tokenizer, prompt, max_tokens=n)
     assert other.stats.verified_tokens == first.stats.verified_tokens  # another drafter: fresh
+    again = generate(model, wrong, tokenizer, prompt, max_tokens=n, memory=PairMemory())
+    assert again.stats.verified_tokens == first.stats.verified_tokens  # a memory of its own
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -15,9 +15,11 @@ Each cycle the engine asks the policy for a plan (:mod:`dflash.policy.plan`) and
    plain step, and lose -> plain stretch of 2, 4, ... ``MAX_BACKOFF`` steps, then probe
    (:mod:`dflash.policy.backoff`).
 
-``fixed``, ``confidence`` and ``tree`` verify the same way every cycle (:mod:`.simple`). Exactness
-never depends on the policy: it reads the drafter's distributions and past outcomes, never the
-tokens drawn this cycle. Measurements behind the constants: docs/how-it-works.md, "Verify policy".
+Given a :class:`PairMemory` (:mod:`.memory`), ``auto`` starts from what the pair's earlier
+generations taught, decayed toward the prior. ``fixed``, ``confidence`` and ``tree`` verify the
+same way every cycle (:mod:`.simple`). Exactness never depends on the policy: it reads the
+drafter's distributions and past outcomes, never the tokens drawn this cycle. Measurements behind
+the constants: docs/how-it-works.md, "The verify policy".
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from .backoff import MAX_BACKOFF, MIN_DRAFT_ROWS, Backoff
 from .base import Candidates, Policy, check_tree_budget, draft_candidates
 from .batch import BatchPolicy, FixedBatchPolicy, batch_width
 from .calibration import AcceptanceModel, Calibration, NodeCalibration, expected_tokens
+from .memory import PairMemory
 from .plan import Chain, Continuation, Outcome, Plain, Plan, Tree, Unverified
 from .simple import ConfidencePolicy, FixedPolicy, TreePolicy, confident_rows
 from .stats import PolicyStats
 
 if TYPE_CHECKING:
     from ..cost_model import CostModel
-    from .memory import PairMemory
 
 _CLASSES: dict[str, type[Policy]] = {
     c.name: c for c in (AutoPolicy, ConfidencePolicy, FixedPolicy, TreePolicy)}
@@ -100,7 +102,7 @@ __all__ = [
     "POLICIES", "BATCHED_POLICIES", "MAX_BACKOFF", "MIN_DRAFT_ROWS", "AcceptanceModel",
     "AutoPolicy", "Backoff", "BatchPolicy", "Calibration", "Candidates", "Chain",
     "ConfidencePolicy", "Continuation", "FixedBatchPolicy", "FixedPolicy", "NodeCalibration",
-    "Outcome", "Plain", "Plan", "Policy", "PolicyStats", "Tree", "TreePolicy", "Unverified",
+    "Outcome", "PairMemory", "Plain", "Plan", "Policy", "PolicyStats", "Tree", "TreePolicy", "Unverified",
     "batch_width", "check_policy", "check_tree_budget", "check_trees_possible",
     "confident_rows", "draft_candidates", "expected_tokens", "make_batch_policy", "make_policy",
     "policy_class",

@@ -205,6 +205,10 @@ class AutoPolicy(Policy):
             self.memory.observe(outcome, (self.backoff.losses, self.draft_rate) if judged
                                 else None)
 
+    def finish(self) -> None:
+        if self.memory is not None:
+            self.memory.save()
+
     def _plain_ms(self) -> float:
         """What the plain step that speculation competes with costs: pipelined under greedy
         decoding, where the host builds the next pass while this one runs."""

@@ -83,6 +83,13 @@ class AcceptanceModel:
         self.copy_into(grown)
         return grown
 
+    def decay(self, most: float) -> None:
+        """Scale each confidence bin's counts (all rows together) down to at most ``most``
+        observations: toward the prior, each row keeping its share."""
+        scale = np.minimum(1.0, most / np.maximum(self.tried.sum(0), 1e-9))
+        self.accepted *= scale
+        self.tried *= scale
+
     def copy(self) -> AcceptanceModel:
         out = AcceptanceModel(self.rows)
         self.copy_into(out)
@@ -201,4 +208,11 @@ class Calibration:
         """At most ``most`` observations per cell (older ones weigh less)."""
         self.drafter.cap(most)
         self.continuation.cap(most)
+        self.nodes.cap(most)
+
+    def decay(self, most: float) -> None:
+        """At most ``most`` observations per confidence bin of each model, and ``most`` units of
+        predicted mass per node kind: what a new generation inherits."""
+        self.drafter.decay(most)
+        self.continuation.decay(most)
         self.nodes.cap(most)

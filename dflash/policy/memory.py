@@ -1,27 +1,35 @@
-"""What a loaded (target, drafter) pair's generations taught the ``auto`` policy, for the next ones:
-in this process, and — stored under ``$DFLASH_HOME/calibration/`` — in the next process.
+"""What a (target, drafter) pair's generations taught the ``auto`` policy, kept for later ones
+when the caller asks.
 
-A generation starts from a copy of the memory (:meth:`PairMemory.start`) and reports each of its
-cycles to it (:meth:`PairMemory.observe`). The stored file belongs to the pair's weights (a
-fingerprint of every parameter's name, shape, dtype and a strided sample of its values), not to a
-path: a re-trained drafter in the same folder starts fresh. Its per-millisecond parts (the losing
-streak, the drafted blocks' rate) belong to the machine that measured them and are dropped on
-another one; the acceptance calibrations are the pair's own and kept. A corrupt or foreign file is
-said once and replaced; an unwritable folder keeps the memory in the process (said once).
+A :class:`PairMemory` is an object its user owns: pass it as ``memory=`` to ``stream_generate``,
+``generate`` or ``BatchGenerator``, or attach it to a loaded drafter as ``draft.policy_memory``
+(that drafter's generations then share it). ``dflash serve`` owns one per loaded pair; ``dflash
+bench`` starts each run from an empty one. Without one, every generation starts from the
+drafter's raw confidence. Nothing is read from or written to disk unless asked:
+:meth:`PairMemory.open` (``--pair-memory PATH``) reads a file and saves back to it, atomically, at
+most every ``SAVE_EVERY_S`` while generations run and when one ends; ``DFLASH_PAIR_MEMORY=1``
+gives a loaded drafter that has no memory the pair's own file under ``$DFLASH_HOME/calibration/``
+(keyed by a fingerprint of both models' weights, so a drafter re-trained in place starts fresh).
+
+Carried, not imposed: a generation starts from the memory decayed toward the prior, at most
+``CARRY`` observations per confidence bin of each calibration (all block rows together), so a few
+cycles of the new text outweigh what other texts taught (measured: a memory of math and chat
+answers carried whole suppressed the context continuations code answers favour). The drafter's
+and the continuations' calibrations are kept apart, the continuations' binned by the order of
+the n-gram matched. The per-millisecond parts (the losing streak, the drafted blocks' rate)
+belong to the machine that measured them and are dropped from a file written on another one.
 
 Exactness never depends on any of it: the memory only steers how much is drafted and verified.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import json
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +43,23 @@ from .plan import Continuation, Outcome
 
 FORMAT = "dflash-pair-memory/1"
 ENV = "DFLASH_PAIR_MEMORY"
-# Most observations per (row, confidence bin) a pair remembers: enough to start a generation
-# calibrated, few enough that ~a generation's cycles re-steer it.
+# Most observations per (row, confidence bin) the memory keeps (older ones weigh less).
 MEMORY_CAP = 32.0
-# Longest losing streak a generation inherits: its first plain stretches stay short (2**3 steps
-# after the first probe), so a prompt on which the drafter does well soon finds out.
+# Most observations per confidence bin (all rows together) a new generation inherits from the
+# memory: the decay toward the prior at the start of each generation (its first few cycles in
+# a bin weigh as much as everything carried).
+CARRY = 4.0
+# Longest losing streak a generation inherits: its first plain stretches stay short, so a
+# prompt on which the drafter does well soon finds out.
 INHERITED_LOSSES = 3
-SAVE_EVERY_S = 2.0  # a save costs ~1 ms; a killed process loses at most this much of what it learned
+SAVE_EVERY_S = 2.0  # a killed process loses at most this much of what it learned
 SAMPLES_PER_ARRAY = 64  # values of each parameter hashed into the pair's fingerprint
 
+
+def storing() -> bool:
+    """Whether a loaded drafter without a memory gets its pair's stored one
+    (``DFLASH_PAIR_MEMORY=1``; default off)."""
+    return env_flag(ENV, default=False)
 
 
 @dataclass
@@ -56,42 +72,60 @@ class Carried:
     draft_rate: float | None
 
 
-def storing() -> bool:
-    """Whether memories are read from and saved to disk (``DFLASH_PAIR_MEMORY``, default on)."""
-    return env_flag(ENV, default=True)
-
-
 class PairMemory:
-    """What one loaded (target, drafter) pair's generations taught the ``auto`` policy, for the
-    next ones: the drafter's and the continuations' acceptance calibrations, the off-spine node
-    calibration, the verified depths, the drafted blocks' expected rate and whether the last
-    cycles were losing. Each generation starts from a copy and adds its cycles as they happen
-    (under a lock: generations in other threads see them from their next start, never
-    mid-generation). ``path``: where it is stored (``None``: in this process only)."""
+    """What a pair's generations taught the ``auto`` policy: the drafter's and the continuations'
+    acceptance calibrations, the off-spine node calibration, the verified depths, the drafted
+    blocks' expected rate and the losing streak. Each generation starts from a decayed copy
+    (:meth:`start`) and reports its cycles as they happen (:meth:`observe`, under a lock:
+    generations in other threads see them from their next start, never mid-generation).
 
-    def __init__(self, rows: int, path: Path | None = None):
-        # Re-entrant: a pair whose model is collected mid-update saves from its finalizer.
-        self._lock = threading.RLock()
-        self.calibration = Calibration.fresh(rows)
-        self.carry = MEMORY_CAP
+    ``rows``: block rows to start with (it grows with longer blocks); ``carry``: observations per
+    confidence bin a generation inherits (``CARRY``; ``MEMORY_CAP * rows`` or more: no decay);
+    ``path``: where it is saved (``None``: in this process only; see :meth:`open`)."""
+
+    def __init__(self, rows: int = 15, path: str | Path | None = None, carry: float = CARRY,
+                 cap: float = MEMORY_CAP):
+        if not (isinstance(carry, (int, float)) and carry >= 0):
+            raise ValueError(f"carry={carry!r}: must be a number >= 0")
+        self._lock = threading.Lock()
+        self.calibration = Calibration.fresh(max(1, rows))
+        self.carry, self.cap = float(carry), float(cap)
         self.depths: deque[int] = deque(maxlen=8)
         self.losses = 0
         self.draft_rate: float | None = None
-        self.path = path
-        self.source = "fresh"  # or where it was read from (the bench reports it)
+        self.path = None if path is None else Path(path)
+        self.source = "fresh"  # or the file it was read from (the bench reports it)
         self._dirty = False
         self._saved_at = time.monotonic()
 
+    @classmethod
+    def open(cls, path: str | Path, rows: int = 15, carry: float = CARRY) -> PairMemory:
+        """The memory stored at ``path`` (a fresh one if there is none yet), saved back there.
+        A corrupt or foreign file is said once and replaced at the next save."""
+        memory = cls(rows, path, carry)
+        path = memory.path
+        if not path.is_file():
+            memory.source = f"fresh (to be saved in {path})"
+            return memory
+        try:
+            same_machine = memory.load(json.loads(path.read_text()))
+        except (ValueError, OSError) as e:  # load() checks every value: its errors are ValueErrors
+            say_once(f"{path}: {e}", f"pair memory {path} is unreadable ({e}); starting fresh")
+            return memory
+        memory.source = f"stored {path}" + ("" if same_machine else
+                                            " (another machine: acceptance only)")
+        return memory
+
     def start(self) -> Carried:
-        """What a new generation starts from: a copy of the calibration (at most ``carry``
-        observations per cell), the recent verified depths, the losing streak (at most
-        ``INHERITED_LOSSES`` long) and the drafted blocks' rate. A copy: a running generation
-        never sees another's updates."""
+        """What a new generation starts from: the calibrations decayed toward the prior (at most
+        ``carry`` observations per confidence bin), the recent verified depths, the losing
+        streak (at most ``INHERITED_LOSSES`` long) and the drafted blocks' rate. A copy: a
+        running generation never sees another's updates."""
         with self._lock:
             calibration = self.calibration.copy()
-            calibration.cap(self.carry)
-            return Carried(calibration, list(self.depths), min(self.losses, INHERITED_LOSSES),
-                           self.draft_rate)
+            depths, losses, rate = list(self.depths), self.losses, self.draft_rate
+        calibration.decay(self.carry)
+        return Carried(calibration, depths, min(losses, INHERITED_LOSSES), rate)
 
     def observe(self, outcome: Outcome, streak: tuple[int, float | None] | None = None) -> None:
         """One cycle of some generation; ``streak``: the losing streak it is in now (0:
@@ -101,7 +135,7 @@ class PairMemory:
             depth = self.calibration.learn(outcome)
             changed = depth is not None or isinstance(outcome.plan, Continuation)
             if changed:
-                self.calibration.cap(MEMORY_CAP)
+                self.calibration.cap(self.cap)
             if depth is not None:
                 self.depths.append(depth)
             if streak is not None:
@@ -186,7 +220,7 @@ class PairMemory:
         nodes = NodeCalibration()
         nodes.hits, nodes.mass = hits, mass
         for stored in (acceptance, lookup, nodes):  # capped like any memory observed here
-            stored.cap(MEMORY_CAP)
+            stored.cap(self.cap)
         with self._lock:
             c = self.calibration
             c.drafter = c.drafter.grown(acceptance.rows)
@@ -251,12 +285,8 @@ def fingerprint(module) -> str | None:
     return h.hexdigest()[:16]
 
 
-def memory_file(target, draft) -> Path | None:
-    """Where this pair's memory is stored (``None``: not stored, or not a loaded model)."""
-    return _stored_path(target, draft) if storing() else None
-
-
-def _stored_path(target, draft) -> Path | None:
+def default_file(target, draft) -> Path | None:
+    """The pair's own file under ``$DFLASH_HOME/calibration/`` (``None``: not loaded models)."""
     from ..cost_model import calibration_dir
 
     parts = [fingerprint(target), fingerprint(draft)]
@@ -265,71 +295,30 @@ def _stored_path(target, draft) -> Path | None:
     return calibration_dir() / f"memory-{parts[0]}-{parts[1]}.json"
 
 
-def _read(memory: PairMemory, path: Path) -> None:
-    if not path.is_file():
-        return
-    try:
-        same_machine = memory.load(json.loads(path.read_text()))
-    except (ValueError, OSError) as e:  # load() checks every value: its errors are ValueErrors
-        say_once(f"{path}: {e}", f"pair memory {path} is unreadable ({e}); starting fresh")
-        return
-    memory.source = f"stored {path.name}" + ("" if same_machine else
-                                             " (another machine: acceptance only)")
-
-
-_memories: dict[tuple[int, int], PairMemory] = {}
-_memories_lock = threading.Lock()
-
-
-def pair_memory(target, draft, rows: int) -> PairMemory:
-    """The memory of this loaded target model and drafter (forgotten with either): the one in
-    this process, else the stored one, else a fresh one."""
-    key = (id(target), id(draft))
-    with _memories_lock:
-        memory = _memories.get(key)
-        if memory is None:
-            path = memory_file(target, draft)
-            memory = _memories[key] = PairMemory(rows, path)
-            for owner in (target, draft):  # an id is reused only after its object is gone
-                weakref.finalize(owner, _forget, key)
-            if path is not None:
-                _read(memory, path)
+def memory_of(target, draft) -> PairMemory | None:
+    """The memory a generation of ``draft`` uses when none is given: the one the drafter holds
+    (``draft.policy_memory``), else, with ``DFLASH_PAIR_MEMORY=1``, the pair's stored one (then
+    held by the drafter), else none."""
+    memory = getattr(draft, "policy_memory", None)
+    if memory is not None or not storing():
         return memory
-
-
-def _forget(key: tuple[int, int]) -> None:
-    memory = _memories.pop(key, None)
-    if memory is not None:
-        memory.save()
-
-
-def forget_pairs() -> None:
-    """Every pair's memory in this process goes, saved first where it is stored: the next
-    generations start from the stored memory, or from the drafter's raw confidence."""
-    save_all()
-    with _memories_lock:
-        _memories.clear()
+    path = default_file(target, draft)
+    if path is None:
+        return None
+    memory = PairMemory.open(path, rows=max(1, draft.block_size - 1))
+    draft.policy_memory = memory
+    return memory
 
 
 def forget_stored(target, draft) -> Path | None:
-    """This pair's memory goes, in the process and on disk; the file it was in, if any."""
-    key = (id(target), id(draft))
-    with _memories_lock:
-        memory = _memories.pop(key, None)
+    """This pair's stored file goes (and the memory the drafter holds); the file, if any."""
+    memory = getattr(draft, "policy_memory", None)
     if memory is not None:
         with memory._lock:  # a save under way finishes first, then none follows
             memory.path = None
-    path = _stored_path(target, draft)  # also when storing is off now: it may be on later
+        draft.policy_memory = None
+    path = default_file(target, draft)
     if path is not None and path.is_file():
         path.unlink()
         return path
     return None
-
-
-@atexit.register
-def save_all() -> None:
-    """What the process's generations taught since the last save (at exit; also callable)."""
-    with _memories_lock:
-        memories = list(_memories.values())
-    for memory in memories:
-        memory.save()

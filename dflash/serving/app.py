@@ -383,10 +383,13 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   served_model_name: str | None = None, max_context: int | None = None,
                   default_max_tokens: int = 512, block_size: int | None = None,
                   max_queue: int = 64, max_concurrency: int | None = None,
-                  reasoning: str = "auto", quiet: bool = False) -> Server:
+                  reasoning: str = "auto", quiet: bool = False,
+                  pair_memory: str | None = None) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
-    ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``).
+    ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
+    ``pair_memory``: the file the pair's policy memory is read from and saved to (``None``: kept
+    in the server's process only).
     """
     try:
         import fastapi  # noqa: F401
@@ -399,7 +402,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
 
     worker = Worker(lambda: load_pair(model, draft, log=None if quiet else log), Metrics(),
                     max_queue=max_queue, max_concurrency=max_concurrency,
-                    max_context=max_context, block_size=block_size).start()
+                    max_context=max_context, block_size=block_size,
+                    pair_memory=pair_memory).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
                   reasoning=reasoning)

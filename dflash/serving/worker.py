@@ -32,6 +32,7 @@ from typing import Any
 from ..backend import compute_dtype, release_thread_streams
 from ..batch import ENGINE_SETTINGS, BatchEvent, BatchGenerator
 from ..errors import GenerationCancelled, QueueFull
+from ..policy.memory import PairMemory
 from ..prompt_cache import PromptCache
 from ..speculative import DFlashResponse, stream_generate
 from ..target import target_parts
@@ -118,7 +119,7 @@ class Worker:
 
     def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64,
                  max_concurrency: int | None = 1, max_context: int | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, pair_memory: str | None = None):
         self.loader = loader
         self.metrics = metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: admission in arrival order
@@ -126,6 +127,8 @@ class Worker:
         self.max_concurrency = max_concurrency
         self.max_context = max_context  # for the memory-derived default of max_concurrency
         self.block_size = block_size  # the served block size (None: the drafter's)
+        self.pair_memory = pair_memory  # the file the pair's memory is kept in (None: none)
+        self.memory: PairMemory | None = None  # the loaded pair's, shared by every request
         self.pair = None
         self.current: Job | None = None
         self.running: dict[int, Job] = {}  # batched jobs by engine uid
@@ -222,6 +225,10 @@ class Worker:
         if self.max_concurrency is None:
             self.max_concurrency = default_max_concurrency(
                 self.pair, self.max_context or self.pair.max_context)
+        # What the requests' generations teach the auto policy, for the next ones.
+        rows = self.pair.draft.block_size - 1
+        self.memory = PairMemory(rows) if self.pair_memory is None else \
+            PairMemory.open(self.pair_memory, rows)
         self._ready.set()
         # One worker serves every request, so one cache: shared prefixes (system prompts,
         # earlier turns) are not prefilled again.
@@ -234,7 +241,8 @@ class Worker:
                 if batch is None:
                     batch = BatchGenerator(self.pair.model, self.pair.draft, self.pair.tokenizer,
                                            max_batch=self.max_concurrency,
-                                           block_size=self.block_size, prompt_cache=prompt_cache)
+                                           block_size=self.block_size, prompt_cache=prompt_cache,
+                                           memory=self.memory)
                 if solo is None:
                     solo = self._admit(batch)
                     if solo is False:  # shutting down
@@ -339,7 +347,8 @@ class Worker:
         last = None
         try:
             gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
-                                  job.prompt_ids, prompt_cache=prompt_cache, **job.kwargs)
+                                  job.prompt_ids, prompt_cache=prompt_cache, memory=self.memory,
+                                  **job.kwargs)
             for r in gen:
                 last = r
                 if job.first_token is None and r.tokens:
