@@ -129,7 +129,7 @@ def _bucket(n: int) -> int:
 def run_records(target: str | None = None, work: str | Path | None = None,
                 repo: str | Path | None = None, *, domains: list[str] | None = None,
                 weights: dict[str, float] | None = None, max_records: int | None = None,
-                chunk: int = 192, home: str | Path | None = None, pid_file: bool = True,
+                chunk: int = 512, home: str | Path | None = None, pid_file: bool = True,
                 batch_scale: float = 1.0, sources: dict[str, list[dict]] | None = None,
                 legacy: list[dict] | None = None, magpie: int = 0,
                 prompt_files: list[tuple[str, Path]] | None = None) -> dict:
@@ -383,7 +383,7 @@ def add_records_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="first write N chat user turns with the target (`dflash magpie`, steered "
                         "by language, length and area), kept once in the repository; skipped "
                         "when they are there")
-    p.add_argument("--chunk", type=int, default=192,
+    p.add_argument("--chunk", type=int, default=512,
                    help="prompts read per round (then split by length into batches)")
     p.add_argument("--no-pid-file", dest="pid_file", action="store_false")
     return p
