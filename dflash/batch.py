@@ -70,6 +70,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .backend import generation_context, generation_stream, pass_stream
 from .console import log
 from .cost_model import cost_model
 from .drafter import full_logits
@@ -204,6 +205,8 @@ class BatchGenerator:
         self.parts = target_parts(model)
         check_compatible(self.parts, draft)
         self.draft, self.tokenizer = draft, tokenizer
+        self.costs = cost_model(self.parts, draft)  # told each batched pass's time
+        self.stream = generation_stream()  # mlx-lm's: every pass of a step runs on it
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if not _is_int(value) or value < 1:
                 raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
@@ -292,6 +295,10 @@ class BatchGenerator:
     def step(self) -> list[BatchEvent]:
         """One engine step: leaves, at most one prefill chunk, then one decode cycle unless a
         burst of prompts is still being prefilled (see :meth:`_prefill_first`)."""
+        with pass_stream(self.stream):
+            return self._step()
+
+    def _step(self) -> list[BatchEvent]:
         events: list[BatchEvent] = []
         self._leave_cancelled(events)
         if self.fallback is not None:
@@ -389,6 +396,7 @@ class BatchGenerator:
         ids, begin = seq.request.prompt_ids, seq.prefilled
         chunk = ids[begin:begin + budget]
         last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache)
+        mx.clear_cache()  # after each prompt chunk, as mlx-lm's prefill
         seq.prefilled = begin + len(chunk)
         if seq.request.progress:
             seq.request.progress(seq.prefilled, len(ids))
@@ -516,6 +524,7 @@ class BatchGenerator:
 
     def _draft(self, plan: _PassPlan) -> None:
         """One drafter pass for every row; each row's top probabilities kept (``conf``)."""
+        started = time.perf_counter()
         self._sync_drafter()
         anchors = [s.state.history[-1] for s in self.rows]
         # Scores over the draft vocabulary only (as the single-sequence cycle reads them).
@@ -527,6 +536,8 @@ class BatchGenerator:
         top_lp, top_ids = draft_candidates(plan.scores.reshape(-1, n_vocab), plan.columns, 1)
         plan.log_conf = list(top_lp[:, 0].reshape(batch_rows, block_rows))
         plan.top_ids = top_ids[:, 0].reshape(batch_rows, block_rows)
+        self.costs.observe("draft", batch_rows * block_rows,
+                           max(len(s.state.fed) for s in self.rows), time.perf_counter() - started)
         for s, lc in zip(self.rows, plan.log_conf):
             s.conf = np.exp(lc.astype(np.float64))
 
@@ -564,6 +575,7 @@ class BatchGenerator:
         logits, taps = forward(self.parts, mx.array(tokens), self.cache,
                                self.draft.target_layer_ids, trace)
         steps, keep = [], []
+        longest = max(len(s.state.fed) for s in self.rows)
         for i, s in enumerate(self.rows):
             props = proposals[i]
             a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
@@ -584,6 +596,9 @@ class BatchGenerator:
             steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props,
                                     lookup=looked))
             keep.append(a + 1)
+        # Every row's accepted count read on the host: the pass is done.
+        self.costs.observe("verify", len(self.rows) * width, longest,
+                           time.perf_counter() - drafted)
         rollback_rows(self.cache, trace, keep, width)
         mx.async_eval([c.state for c in self.cache])
         return steps
@@ -632,10 +647,11 @@ def batch_generate(model, draft, tokenizer, prompts: Sequence[str | Sequence[int
     text: dict[int, list[str]] = {u: [] for u in uids}
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     last: dict[int, DFlashResponse] = {}
-    while engine.active or engine.pending:
-        for e in engine.step():
-            text[e.uid].append(e.text)
-            tokens[e.uid].extend(e.tokens)
-            last[e.uid] = e.stats
+    with generation_context(model):  # as mlx-lm's batch_generate: the wired limit (Metal)
+        while engine.active or engine.pending:
+            for e in engine.step():
+                text[e.uid].append(e.text)
+                tokens[e.uid].extend(e.tokens)
+                last[e.uid] = e.stats
     return [GenerationResult("".join(text[u]), tokens[u], last[u].finish_reason, last[u])
             for u in uids]

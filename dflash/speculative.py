@@ -11,7 +11,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .cost_model import cost_model
+from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
+from .cost_model import PassCosts, cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import ContextLookup
@@ -298,6 +299,12 @@ class DecodeState:
     proposed_at: list[int] = field(default_factory=list)
     cycle_tokens: int = 0  # tokens emitted by speculative cycles (mean_tau's numerator)
     lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
+    costs: PassCosts | None = None  # told each pass's time (dflash.cost_model)
+
+    def timed(self, kind: str, rows: int, context: int, seconds: float) -> None:
+        """Tell the pass costs what a pass took (from its issue to the host read of its result)."""
+        if self.costs is not None:
+            self.costs.observe(kind, rows, context, seconds)
 
     def sync_drafter(self, draft) -> None:
         """Give the drafter the features of the last committed tokens."""
@@ -364,7 +371,8 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                                           pipelined=request.sampler.pipelines_plain_steps,
                                           memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
-                       proposed_at=[0] * (request.block_size - 1))
+                       proposed_at=[0] * (request.block_size - 1),
+                       costs=cost if cost is not None else cost_model(parts, draft))
 
 
 def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:
@@ -450,6 +458,7 @@ def draft_block(parts, draft, request: DecodeRequest, state: DecodeState,
     """The drafter's block pass of ``rows`` rows over ``[anchor, MASK ...]``, with the new target
     features as its context; the candidates read on the host where the policy plans from them
     (or greedy v1 proposals are read from them)."""
+    started = time.perf_counter()
     state.sync_drafter(draft)
     # Scores over the draft vocabulary only (a cut vocabulary is ~1/6 of the target's): no
     # full-vocabulary row of -inf to scatter into, gather from and argmax over.
@@ -457,6 +466,7 @@ def draft_block(parts, draft, request: DecodeRequest, state: DecodeState,
     candidates = None
     if state.policy.reads_candidates or _proposes_argmax(request, draft):
         candidates = draft_candidates(scores, columns, state.policy.candidates)
+        state.timed("draft", rows, len(state.fed), time.perf_counter() - started)
     return DraftedBlock(rows, scores, columns, candidates)
 
 
@@ -494,6 +504,7 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
     logits, taps = forward(parts, mx.array([anchor] + proposals)[None], state.cache,
                            draft.target_layer_ids, trace)
     a, bonus = request.sampler.accept(logits[0], proposals, q, state.history)
+    state.timed("verify", verified, context, time.perf_counter() - drafted)
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
@@ -514,7 +525,7 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
     """
     sampler, tap_ids, policy = request.sampler, draft.target_layer_ids, state.policy
     pipelined = sampler.pipelines_plain_steps
-    started = time.perf_counter()
+    started, context = time.perf_counter(), len(state.fed)
 
     def step(token) -> tuple[mx.array, mx.array]:
         tokens = mx.array([[token]]) if isinstance(token, int) else token.reshape(1, 1)
@@ -555,6 +566,9 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
         fed, logits, taps = token, next_logits, next_taps
         i += 1
     policy.give_back(stretch - len(out))
+    # A stretch of pipelined steps prices a plain step; one step alone, a lone one-row pass.
+    state.timed("step" if pipelined and len(out) > 1 else "verify", 1, context,
+                (time.perf_counter() - started) / max(1, len(out)))
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(out, len(out) - 1, 0, started, True)
 
@@ -576,6 +590,7 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: 
         processed = sampler.process(logits, state.history, None)
     # One independent draw per node (argmax when greedy): exact without the drafter's q.
     path, bonus = walk(tree, sampler.sample(processed).tolist())
+    state.timed("verify", len(tree), start, time.perf_counter() - drafted)
     keep = [0] + path
     commit_tree_path(state.cache, start, keep, len(tree))
     state.fed += [tree.tokens[i] for i in keep]
@@ -589,6 +604,16 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
             prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
+    # As mlx-lm's stream_generate: the wired limit around the generation (Metal), each pass on
+    # the generation stream, the buffer cache cleared after the prompt, now and then, and at the
+    # end (dflash.backend.generation_context).
+    with generation_context(parts.model) as stream:
+        yield from _decode_on(parts, draft, tokenizer, request, state, reused, prompt_cache,
+                              stream)
+
+
+def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
+               prompt_cache: PromptCache | None, stream) -> Generator[DFlashResponse, None, None]:
     detok = Detokenizer(tokenizer, request.stops)
     stats = DFlashResponse(prompt_tokens=len(request.prompt_ids),
                            priced_ms=state.policy.stats.priced_ms)  # 0.0, or None: not priced
@@ -596,7 +621,8 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
-    last_logits = _prefill(parts, draft, request, state, reused)
+    with pass_stream(stream):
+        last_logits = _prefill(parts, draft, request, state, reused)
     if prompt_cache is not None:
         prompt_cache.snapshot(len(request.prompt_ids))
         stats.reused_prompt_tokens = reused
@@ -612,7 +638,9 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
         finish_cache()
         yield stats
         return
-    emitted = [first_token(request, state, last_logits)]
+    with pass_stream(stream):
+        emitted = [first_token(request, state, last_logits)]
+    mx.clear_cache()
     stats.prompt_tps = len(request.prompt_ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
     while True:
@@ -625,11 +653,14 @@ def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState,
             return
 
         t0 = time.perf_counter()
-        bs = min(request.block_size, max_tokens - stats.generation_tokens)
-        step = speculative_step(parts, draft, request, state, bs,
-                                max_tokens - stats.generation_tokens)
+        done = stats.generation_tokens
+        bs = min(request.block_size, max_tokens - done)
+        with pass_stream(stream):
+            step = speculative_step(parts, draft, request, state, bs, max_tokens - done)
         emitted = step.tokens
         count_step(stats, state, step, t0, time.perf_counter())
+        if (done + len(emitted)) // CLEAR_CACHE_EVERY > done // CLEAR_CACHE_EVERY:
+            mx.clear_cache()
 
 
 def first_token(request: DecodeRequest, state: DecodeState, last_logits: mx.array) -> int:
