@@ -325,9 +325,9 @@ class BatchGenerator:
     def _prefill_first(self) -> bool:
         """Prefill without a decode cycle this step? Yes while the next waiting prompt can be
         prefilled to its end within ``PREFILL_BURST`` chunks of prompt tokens since the last
-        cycle: a burst of short prompts gets every first token before the batch decodes on
-        (measured at 4 clients: the burst's last first token waited two decode cycles), while
-        a long prompt still costs the others one chunk per cycle."""
+        cycle: a burst of short prompts gets every first token before the batch decodes on,
+        while a long prompt still costs the others one chunk per cycle (docs/how-it-works.md,
+        "Many sequences at once")."""
         seq = self._next_prompt()
         if seq is None:
             return False

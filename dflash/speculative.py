@@ -216,8 +216,8 @@ def build_request(
         check_tree_budget(tree_budget, cost_model(parts, draft)
                           if policy_class(policy).needs_cost else None)
     if proposal is None:
-        # Measured on the built-in pair (scripts/bench_sampling.py): sampled proposals accept more
-        # at T > 0; at T = 0 both modes are the same. A custom sampler has no q to reject against.
+        # Sampled proposals accept more at T > 0 (docs/sampling.md); at T = 0 both modes are the
+        # same. A custom sampler has no q to reject against.
         proposal = "argmax" if sampler is not None else "sample"
     cfg = SamplingConfig(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
