@@ -378,6 +378,12 @@ def run_bench(model: str | None = None, draft: str | None = None,
             p.pop("_totals")
         result_runs.append({"block_size": bs, "prompts": per_prompt, "overall": overall})
     identical = [r["overall"]["identical"] for r in result_runs]
+    from .cost_model import cost_model
+    from .cost_model import report as cost_report
+    from .target import target_parts
+
+    pass_costs = cost_report(cost_model(target_parts(pair.model), pair.draft))
+    say(pass_costs["describe"])
     result = {
         "config": _environment(pair) | {
             "prompts": source, "n_prompts": len(items), "max_tokens": max_tokens,
@@ -388,6 +394,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
+        "pass_costs": pass_costs,  # what the policy priced with; learnt against calibrated
     }
     best = max(result_runs, key=lambda r: r["overall"]["speedup"] or 0.0)
     result["best"] = {"block_size": best["block_size"], **{
@@ -536,6 +543,13 @@ def format_summary(result: dict) -> str:
                    f"{100 * o.get('tree_share', 0.0):.0f}% trees, "
                    f"{100 * o.get('lookup_share', 0.0):.0f}% lookups"
                    f", identical at T=0: {_same(o['identical']).strip('*')}")
+        if o.get("baseline_prompt_time") and o.get("dflash_prompt_time"):
+            out.append(f"  first token (models loaded): mlx-lm {o['baseline_prompt_time']:.3f} s, "
+                       f"dflash {o['dflash_prompt_time']:.3f} s "
+                       f"({o['dflash_prompt_time'] / o['baseline_prompt_time']:.2f}x), "
+                       "summed over the prompts")
+    if result.get("pass_costs"):
+        out.append(result["pass_costs"]["describe"])
     return "\n".join(out)
 
 

@@ -617,27 +617,55 @@ def format_table(model: CostModel) -> str:
     return "\n".join(lines)
 
 
-def compare_learned(learned: PassCosts, calibrated: CostModel) -> list[dict]:
-    """Each pass shape decoding timed: its learnt price (at the context it was mostly timed at)
-    against the calibration's at that context, and their ratio."""
-    rows_out = []
+def learnt_table(learned: PassCosts) -> list[dict]:
+    """Each pass shape decoding timed: its learnt price at the context it was mostly timed at,
+    and how many timings it rests on."""
+    out = []
     groups = learned._groups()
     for kind in KINDS:
         for rows, points in sorted(groups[kind].items()):
             for context, ms in sorted(points):
-                if kind == "verify":
-                    ref = calibrated.verify(rows, context)
-                elif kind == "step":
-                    ref = calibrated.step(context)
-                else:
-                    ref = calibrated.draft(rows)
-                n = sum(len(g) for (k, r, b), g in learned.samples.items()
+                n = sum(len(g) for (k, r, b), g in list(learned.samples.items())
                         if k == kind and r == rows and (kind == "draft" or
                                                         b == context_bucket(context)))
-                rows_out.append({"kind": kind, "rows": rows, "context": context, "timings": n,
-                                 "learnt_ms": round(ms, 3), "calibrated_ms": round(ref, 3),
-                                 "ratio": round(ms / ref, 3) if ref > 0 else None})
-    return rows_out
+                out.append({"kind": kind, "rows": rows, "context": context, "timings": n,
+                            "learnt_ms": round(ms, 3)})
+    return out
+
+
+def compare_learned(learned: PassCosts, calibrated: CostModel) -> list[dict]:
+    """:func:`learnt_table` with the calibration's price of each shape and the ratio."""
+    out = []
+    for row in learnt_table(learned):
+        kind, rows, context = row["kind"], row["rows"], row["context"]
+        ref = calibrated.verify(rows, context) if kind == "verify" else \
+            calibrated.step(context) if kind == "step" else calibrated.draft(rows)
+        out.append(row | {"calibrated_ms": round(ref, 3),
+                          "ratio": round(row["learnt_ms"] / ref, 3) if ref > 0 else None})
+    return out
+
+
+def describe(costs: PassCosts) -> str:
+    """One line: what the policy prices with, and (with a calibration) how the learnt prices
+    compare with it."""
+    timings = sum(len(g) for g in list(costs.samples.values()))
+    if costs.calibrated is None:
+        return (f"pass costs: learnt from {timings} timings of this machine's passes" if timings
+                else "pass costs: the prior (no pass timed yet on this machine)")
+    line = f"pass costs: dflash calibrate's of {costs.calibrated.measured_at}"
+    ratios = [r["ratio"] for r in compare_learned(costs, costs.calibrated) if r["ratio"]]
+    if ratios:
+        line += (f"; learnt from {timings} timings alongside: {len(ratios)} shapes at "
+                 f"{min(ratios):.2f}-{max(ratios):.2f}x the calibration")
+    return line
+
+
+def report(costs: PassCosts) -> dict:
+    """What a benchmark records about the pass costs it ran with."""
+    return {"source": costs.source(), "describe": describe(costs),
+            "learnt": learnt_table(costs),
+            "compare": None if costs.calibrated is None else
+            compare_learned(costs, costs.calibrated)}
 
 
 def format_comparison(rows: list[dict], tolerance: float = 0.15) -> str:

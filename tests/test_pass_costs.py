@@ -206,3 +206,17 @@ def test_observations_are_stored_now_and_then_without_asking(home, monkeypatch):
     c = PassCosts.stored("k")
     feed(c, "step", 1, 10, 5.0)
     assert costs.learned_file("k").is_file()
+
+
+def test_what_a_benchmark_reports_about_the_pass_costs():
+    c = learnt()
+    assert costs.describe(c) == "pass costs: the prior (no pass timed yet on this machine)"
+    feed(c, "verify", 2, 128, 12.0, n=2)
+    assert costs.describe(c) == "pass costs: learnt from 2 timings of this machine's passes"
+    assert costs.report(c)["compare"] is None and costs.report(c)["learnt"][0]["timings"] == 2
+    c.calibrated = costs.CostModel(key="k", machine={}, rows=[1, 2], contexts=[128],
+                                   verify_ms=[[10.0, 10.0]], draft_rows=[4], draft_ms=[3.0],
+                                   measured_at="2026-12-01T10:00:00")
+    assert costs.describe(c) == ("pass costs: dflash calibrate's of 2026-12-01T10:00:00; learnt "
+                                 "from 2 timings alongside: 1 shapes at 1.20-1.20x the calibration")
+    assert costs.report(c)["compare"][0]["ratio"] == pytest.approx(1.2)
