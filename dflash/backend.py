@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
 import struct
@@ -168,6 +169,7 @@ def _loaded_libmlx() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=4)
 def plt_slots(path: str) -> dict[str, int]:
     """``{symbol: offset}`` of the PLT relocations (``.rela.plt``) of an ELF64 little-endian
     shared library: where the address each imported function is called through is stored."""
