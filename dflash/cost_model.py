@@ -62,6 +62,7 @@ RECENT = 16  # timings kept per (kind, rows, context bucket): recent enough to f
 QUANTILE = 0.2  # of the recent timings: near the fastest, not one lucky outlier
 PRIOR_ROW_COST = 0.5  # an extra verify row, in one-row passes, until a multi-row pass is timed
 PRIOR_STEP_MS = 1.0  # before any pass is timed: only ratios matter, so any unit will do
+EPOCH_EVERY = 16  # timings between epochs (PassCosts.epoch)
 SAVE_EVERY_S = 5.0  # learnt costs are written at most this often (and by flush())
 
 _memory: dict[str, PassCosts] = {}
@@ -109,6 +110,11 @@ class CostModel:
     def draft(self, rows: int) -> float:
         """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
         return 0.0 if rows <= 1 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
+
+    @property
+    def epoch(self) -> int:
+        """A measured table never changes (see :attr:`PassCosts.epoch`)."""
+        return 0
 
     def observe(self, kind: str, rows: int, context: int, seconds: float) -> None:
         """A measured table learns nothing (:class:`PassCosts` does)."""
@@ -173,6 +179,9 @@ class PassCosts:
         self.key, self.machine, self.path, self.calibrated = key, machine, path, calibrated
         self.samples: dict[tuple[str, int, int], deque] = {}
         self.observed = 0  # passes observed by this process
+        # Bumped when prices may have moved: a shape timed for the first time (a prior replaced)
+        # or EPOCH_EVERY timings since; what a caller derived from the prices is stale after it.
+        self.epoch = 0
         self._lock = threading.Lock()
         self._version = 0
         self._estimates: tuple[int, dict] | None = None
@@ -191,9 +200,14 @@ class PassCosts:
             return
         bucket = 0 if kind == "draft" else context_bucket(context)
         with self._lock:
-            group = self.samples.setdefault((kind, int(rows), bucket), deque(maxlen=RECENT))
+            group = self.samples.get((kind, int(rows), bucket))
+            if group is None:
+                group = self.samples[(kind, int(rows), bucket)] = deque(maxlen=RECENT)
+                self.epoch += 1
             group.append((int(context), 1000.0 * seconds))
             self.observed += 1
+            if self.observed % EPOCH_EVERY == 0:
+                self.epoch += 1
             self._version += 1
             self._dirty = True
             due = self.path is not None and time.monotonic() - self._saved_at >= SAVE_EVERY_S

@@ -220,3 +220,16 @@ def test_what_a_benchmark_reports_about_the_pass_costs():
     assert costs.describe(c) == ("pass costs: dflash calibrate's of 2026-12-01T10:00:00; learnt "
                                  "from 2 timings alongside: 1 shapes at 1.20-1.20x the calibration")
     assert costs.report(c)["compare"][0]["ratio"] == pytest.approx(1.2)
+
+
+def test_the_epoch_moves_when_a_prior_is_replaced_and_now_and_then():
+    c = learnt()
+    assert c.epoch == 0
+    feed(c, "step", 1, 100, 50.0)
+    assert c.epoch == 1  # a new shape: its prior replaced
+    feed(c, "step", 1, 100, 50.0, n=14)
+    assert c.epoch == 1
+    feed(c, "step", 1, 100, 50.0)  # the 16th timing
+    assert c.epoch == 2
+    assert costs.CostModel(key="k", machine={}, rows=[1], contexts=[1], verify_ms=[[1.0]],
+                           draft_rows=[2], draft_ms=[1.0]).epoch == 0

@@ -45,7 +45,7 @@ class AutoPolicy(Policy):
         self.expected: float | None = None  # tokens per ms expected of this cycle's plan
         self.depths: deque[int] = deque(maxlen=8)  # deepest row of recent plans
         self.backoff = Backoff()
-        self._chain_cache: tuple[int, np.ndarray] | None = None
+        self._chain_cache: tuple[tuple[int, int], np.ndarray] | None = None
         self.memory = memory
         if memory is not None:
             carried = memory.start()
@@ -118,9 +118,9 @@ class AutoPolicy(Policy):
         return expected_tokens(p)[1:] / (draft_ms + self._chain_ms()[:len(p)])
 
     def _chain_ms(self) -> np.ndarray:
-        """``verify(k + 1)`` for ``k = 1 .. rows`` at this context (kept per 64 tokens of it:
-        a plain stretch asks every step)."""
-        bucket = self.context // 64
+        """``verify(k + 1)`` for ``k = 1 .. rows`` at this context (kept per 64 tokens of it and
+        per epoch of learnt costs: a plain stretch asks every step)."""
+        bucket = (self.context // 64, getattr(self.cost, "epoch", 0))
         if self._chain_cache is None or self._chain_cache[0] != bucket:
             rows = self.calibration.continuation.rows
             self._chain_cache = (bucket, np.array(
