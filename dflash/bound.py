@@ -132,13 +132,13 @@ def run_from_args(args: argparse.Namespace, log: Callable[[str], None],
                   context: int = 256) -> int:
     """``dflash bench --bound FILE``: the bound table from a whole-block bench JSON and the
     pair's calibrated pass costs (measured once per machine, then cached)."""
-    from .cost_model import cost_model
+    from .cost_model import calibrate
     from .pair import load_pair
     from .target import target_parts
 
     bench = read_whole_block_run(args.bound)
     pair = load_pair(args.model, args.draft, log=log)
-    costs = cost_model(target_parts(pair.model), pair.draft)
+    costs = calibrate(target_parts(pair.model), pair.draft)  # measured, not learnt: a bound
     step = costs.step(context)
     print(format_bound(bench, str(args.bound), lambda r: costs.verify(r, context) / step,
                        lambda r: costs.draft(r) / step, step), flush=True)
