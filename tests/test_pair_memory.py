@@ -258,6 +258,32 @@ def test_calibrate_refresh_forgets_the_stored_memory(tiny_pair, storing):
     assert one_shot(pair, **{stored.ENV: "1"})["before"]["source"].startswith("fresh")
 
 
+@pytest.mark.slow
+def test_the_cli_reads_and_saves_the_memory_it_is_given(tiny_pair, storing, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    target, draft = tiny_pair("llama")
+    path = tmp_path / "pair.json"
+
+    def generate() -> subprocess.CompletedProcess:
+        p = subprocess.run([sys.executable, "-m", "dflash", "generate", "--model", str(target),
+                            "--draft", str(draft), "--prompt", "The sea is", "--max-tokens", "24",
+                            "--json", "--no-speedup-estimate", "--pair-memory", str(path)],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        assert p.returncode == 0, p.stderr
+        return p
+
+    first = generate()
+    assert "pair memory: fresh" in first.stderr and path.is_file()
+    second = generate()
+    assert f"pair memory: stored {path}" in second.stderr
+    assert json.loads(first.stdout)["tokens"] == json.loads(second.stdout)["tokens"]
+    assert not storing.exists() or not list(storing.glob("memory-*.json"))  # nothing else
+
+
 def test_the_stored_file_belongs_to_the_weights_not_the_folder(tiny_pair):
     import mlx.core as mx
     from mlx.utils import tree_flatten
