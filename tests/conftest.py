@@ -37,10 +37,23 @@ def tiny_pair(tiny_root):
         if kind not in made:
             target = tiny_models.write_target(tiny_root / kind / "target", kind)
             draft = tiny_models.write_drafter(tiny_root / kind / "draft", target, taps=(0, 2))
+            calibrated(target, draft)
             made[kind] = (target, draft)
         return made[kind]
 
     return make
+
+
+def calibrated(target: Path, draft: Path) -> None:
+    """The pair's pass costs measured once (``dflash calibrate``, stored under DFLASH_HOME), so
+    that the auto policy of every test, in this process or a ``dflash`` subprocess, prices with
+    the same table rather than with costs learnt from this run's timings."""
+    from dflash.cost_model import calibrate
+    from dflash.model_mlx import load, load_draft
+    from dflash.target import target_parts
+
+    model, _ = load(str(target))
+    calibrate(target_parts(model), load_draft(str(draft)), quiet=True)
 
 
 @pytest.fixture(scope="session")
