@@ -156,11 +156,18 @@ def along_context(points: list[tuple[float, float]], context: float) -> float:
 
 
 def along_rows(points: dict[int, float], rows: int, prior_slope: float) -> float:
-    """A price at ``rows`` from the prices ``points`` timed at some row counts (row 1 among them):
-    made monotone in rows, interpolated between them; past the largest, each extra row costs the
-    average extra row of the timed ones (``prior_slope`` when only one row count was timed)."""
+    """A price at ``rows`` from the prices ``points`` timed at some row counts (the smallest
+    first): made monotone in rows, interpolated between them; past the largest, each extra row
+    costs the average extra row of the timed ones (``prior_slope`` when only one row count was
+    timed).
+
+    Timing noise is one-sided (a busy moment only slows a pass down), so a price above a larger
+    row count's is lowered to it (never below the smallest row count's), rather than the larger
+    ones raised to it as the calibration's fastest-of-three timings are.
+    """
     xs = sorted(points)
-    ys = _monotone([points[x] for x in xs])
+    ys = [points[x] for x in xs]
+    ys = [max(ys[0], min(ys[i:])) if i else ys[0] for i in range(len(ys))]
     if rows <= xs[0]:
         return ys[0]
     if rows <= xs[-1]:

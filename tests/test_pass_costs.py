@@ -52,11 +52,19 @@ def test_along_context_interpolates_and_is_flat_past_the_ends():
 
 
 def test_along_rows_interpolates_monotone_and_extrapolates_with_the_average_row():
-    points = {1: 1.0, 4: 1.6, 8: 1.5}  # noise: 8 rows timed cheaper than 4
-    assert along_rows(points, 2, 0.5) == pytest.approx(1.2)
-    assert along_rows(points, 8, 0.5) == pytest.approx(1.6)  # made monotone
-    assert along_rows(points, 16, 0.5) == pytest.approx(1.6 + 8 * 0.6 / 7)
+    points = {1: 1.0, 4: 1.2, 8: 1.5}
+    assert along_rows(points, 2, 0.5) == pytest.approx(1 + 0.2 / 3)
+    assert along_rows(points, 6, 0.5) == pytest.approx(1.35)
+    assert along_rows(points, 16, 0.5) == pytest.approx(1.5 + 8 * 0.5 / 7)
     assert along_rows({1: 1.0}, 5, 0.5) == pytest.approx(3.0)  # only the prior's slope
+
+
+def test_along_rows_lowers_a_slowed_timing_to_a_larger_row_counts():
+    """4 rows timed in a busy moment, above 8 rows: 4 rows is priced like 8, not 8 like 4."""
+    points = {1: 1.0, 4: 1.9, 8: 1.5}
+    assert along_rows(points, 4, 0.5) == pytest.approx(1.5)
+    assert along_rows(points, 8, 0.5) == pytest.approx(1.5)
+    assert along_rows({1: 1.0, 2: 0.9, 4: 1.3}, 2, 0.5) == 1.0  # never below one row
 
 
 # ---------------------------------------------------------------------------------------------
