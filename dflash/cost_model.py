@@ -639,8 +639,9 @@ def format_table(model: CostModel) -> str:
 
 
 def learnt_table(learned: PassCosts) -> list[dict]:
-    """Each pass shape decoding timed: its learnt price at the context it was mostly timed at,
-    and how many timings it rests on."""
+    """Each pass shape decoding timed, at the context it was mostly timed at: the price the
+    policy takes from what was learnt (``learnt_ms``), the low quantile of its own timings
+    (``timed_ms``) and how many timings that rests on."""
     out = []
     groups = learned._groups()
     for kind in KINDS:
@@ -649,8 +650,11 @@ def learnt_table(learned: PassCosts) -> list[dict]:
                 n = sum(len(g) for (k, r, b), g in list(learned.samples.items())
                         if k == kind and r == rows and (kind == "draft" or
                                                         b == context_bucket(context)))
+                price = learned.learned_verify(rows, context) if kind == "verify" else \
+                    learned.learned_step(context) if kind == "step" else \
+                    learned.learned_draft(rows)
                 out.append({"kind": kind, "rows": rows, "context": context, "timings": n,
-                            "learnt_ms": round(ms, 3)})
+                            "learnt_ms": round(price, 3), "timed_ms": round(ms, 3)})
     return out
 
 
@@ -691,11 +695,12 @@ def report(costs: PassCosts) -> dict:
 
 def format_comparison(rows: list[dict], tolerance: float = 0.15) -> str:
     """:func:`compare_learned` as a table; ``ok`` marks prices within ``tolerance``."""
-    lines = [f"{'pass':>7} {'rows':>5} {'context':>8} {'timings':>8} {'learnt ms':>10} "
-             f"{'calibrated ms':>14} {'ratio':>6}"]
+    lines = [f"{'pass':>7} {'rows':>5} {'context':>8} {'timings':>8} {'timed ms':>9} "
+             f"{'learnt ms':>10} {'calibrated ms':>14} {'ratio':>6}"]
     for r in rows:
         ok = r["ratio"] is not None and abs(r["ratio"] - 1) <= tolerance
         lines.append(f"{r['kind']:>7} {r['rows']:>5} {r['context']:>8} {r['timings']:>8} "
+                     f"{r.get('timed_ms', r['learnt_ms']):>9.2f} "
                      f"{r['learnt_ms']:>10.2f} {r['calibrated_ms']:>14.2f} "
                      f"{r['ratio'] if r['ratio'] is not None else float('nan'):>6.2f}"
                      f"{'' if ok else '  (off by more than ' + f'{tolerance:.0%})'}")

@@ -155,7 +155,7 @@ def test_a_calibration_prices_while_learning_goes_on():
     assert c.learned_verify(2, 128) == 30.0 and c.source() == "calibrated"
     assert c.rows == [1, 2, 4]
     (row,) = costs.compare_learned(c, table)
-    assert row == {"kind": "verify", "rows": 2, "context": 128, "timings": 1,
+    assert row == {"kind": "verify", "rows": 2, "context": 128, "timings": 1, "timed_ms": 30.0,
                    "learnt_ms": 30.0, "calibrated_ms": 11.0, "ratio": pytest.approx(2.727, abs=1e-3)}
     assert "off by more than 15%" in costs.format_comparison([row])
 
