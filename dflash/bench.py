@@ -547,7 +547,7 @@ def format_summary(result: dict) -> str:
             out.append(f"  first token (models loaded): mlx-lm {o['baseline_prompt_time']:.3f} s, "
                        f"dflash {o['dflash_prompt_time']:.3f} s "
                        f"({o['dflash_prompt_time'] / o['baseline_prompt_time']:.2f}x), "
-                       "summed over the prompts")
+                       "summed over prompts and repeats")
     if result.get("pass_costs"):
         out.append(result["pass_costs"]["describe"])
     return "\n".join(out)
