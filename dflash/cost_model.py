@@ -376,9 +376,10 @@ class PassCosts:
 
 def machine_id() -> dict:
     """What makes timings differ between machines (not the hostname: a rebuilt machine of the
-    same kind measures the same)."""
+    same kind measures the same), with the backend set up as the loaders set it up."""
     from . import backend
 
+    backend.configure()
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -388,7 +389,7 @@ def machine_id() -> dict:
         cpu = platform.processor()
     return {"device": str(mx.default_device()), "mlx": mx.__version__,
             "machine": platform.machine(), "system": platform.system(), "cpu": cpu,
-            "cores": os.cpu_count(), "blas": str(getattr(backend, "blas_status", ""))}
+            "cores": os.cpu_count(), "blas": backend.blas_status}
 
 
 def cost_key(parts, draft) -> str:
