@@ -143,8 +143,13 @@ RTLD_DI_LINKMAP = 2
 SHT_RELA = 4
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
-    return ctypes.CDLL(None)
+    """The library with ``dladdr``/``dlinfo``: the C library (glibc 2.34+), else ``libdl``."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "dlinfo") and hasattr(libc, "dladdr"):
+        return libc
+    return ctypes.CDLL(ctypes.util.find_library("dl") or "libdl.so.2")
 
 
 def _symbol_at(address: int) -> tuple[str, str]:
@@ -214,7 +219,10 @@ def _libmlx_slots() -> tuple[int, dict[str, int]] | None:
 def mlx_blas(symbol: str = "cblas_sgemm") -> str:
     """The library whose ``symbol`` MLX calls (``""`` where that cannot be read: not Linux, MLX
     not loaded, another build)."""
-    found = _libmlx_slots() if "mlx.core" in sys.modules else None
+    try:
+        found = _libmlx_slots() if "mlx.core" in sys.modules else None
+    except (OSError, AttributeError, BackendSetupError, struct.error):
+        return ""
     if found is None or symbol not in found[1]:
         return ""
     base, slots = found
@@ -323,7 +331,7 @@ def _route_blas() -> tuple[str, str]:
         return "openblas", "preloaded"
     try:
         rebind_mlx_blas(lib, path)
-    except (BackendSetupError, OSError, ValueError, struct.error) as e:
+    except (BackendSetupError, OSError, ValueError, AttributeError, struct.error) as e:
         message = _too_late_message(f"rebinding its BLAS failed ({e})")
         if mode == "openblas" or on_cpu():
             raise BackendSetupError(message) from None
