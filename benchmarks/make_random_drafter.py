@@ -10,16 +10,15 @@ import argparse
 import json
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
-# isort: on
 from mlx.utils import tree_flatten
 
+from dflash.backend import configure
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 
 
 def main() -> None:
+    configure()  # OpenBLAS for the random weights' matmuls, as the loaders would
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--model", default=None)

@@ -49,9 +49,6 @@ import anthropic
 import httpx
 import openai
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx, for the references)
-# isort: on
 from dflash.console import log
 from dflash.prompts import prompt_file
 

@@ -48,7 +48,9 @@ def packed_from_git(dest: Path, commit: str | None = None, path: str | None = No
 
 
 def main(argv: list[str] | None = None) -> Path:
-    import dflash  # noqa: F401  (before mlx: the CPU backend's BLAS)
+    from dflash.backend import configure
+
+    configure()  # the CPU backend's BLAS, before mlx loads
     from dflash.training.checkpoints import pack_checkpoint, unpack_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
