@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (routes OpenBLAS before mlx loads)
 import mlx.core as mx
-# isort: on
 from mlx.utils import tree_flatten
 
 from dflash.drafter import published_names

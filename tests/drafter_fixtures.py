@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (routes OpenBLAS before mlx.core is imported)
 import mlx.core as mx
-# isort: on
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 

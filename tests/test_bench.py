@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 from dflash import bench
 from dflash.pair import Pair
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 from dflash import cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,12 +23,9 @@ import math
 import sys
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (routes OpenBLAS before mlx.core is imported)
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-# isort: on
 
 sys.path.insert(0, str(Path(__file__).parent))
 from drafter_fixtures import write_hf_drafter  # noqa: E402

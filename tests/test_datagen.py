@@ -11,12 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import pytest
 from tiny_models import write_target
 
+import dflash
 from dflash.errors import DataSetError, DFlashError
 from dflash.prompts import PromptFileError, read_prompts
 from dflash.training.data import load_samples

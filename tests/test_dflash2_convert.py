@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
-# isort: on
 import pytest
 from dflash2_fixtures import write_dflash2_drafter
 from mlx_lm.generate import generate_step

@@ -12,8 +12,6 @@ unary softmax as ``q`` must fail the same test.
 
 from __future__ import annotations
 
-import dflash  # noqa: F401, I001  # isort: skip  (before mlx: routes OpenBLAS)
-
 import mlx.core as mx
 import numpy as np
 import pytest

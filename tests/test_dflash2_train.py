@@ -7,10 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
-# isort: on
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten

@@ -16,14 +16,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
-# isort: on
 import pytest
 from test_train import write_pattern_data
 from tiny_models import write_target
 
+import dflash
 from dflash.training.distributed import Ranks, init_ranks
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,6 @@ with continuation chains: tests/test_sampling_stats.py, ``lookup``.)
 
 from __future__ import annotations
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import numpy as np
 import pytest
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import pytest
 from tiny_models import write_target
 

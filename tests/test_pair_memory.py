@@ -11,15 +11,13 @@ written on disk, unless the caller asks: ``memory=``, ``draft.policy_memory``, a
 
 from __future__ import annotations
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import threading
 
 import numpy as np
 import pytest
 from test_plain_steps import FLAT_COST, ROWS_COST, confident, cost, observe
 
+import dflash
 from dflash.policy import (
     MAX_BACKOFF,
     MIN_DRAFT_ROWS,

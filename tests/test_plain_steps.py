@@ -12,9 +12,6 @@ stretch, proposes what a context fed step by step proposes.
 
 from __future__ import annotations
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import mlx.core as mx
 import numpy as np
 import pytest

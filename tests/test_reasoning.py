@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 from dflash.serving.reasoning import ThinkSplitter
 
 

@@ -25,8 +25,6 @@ rate is the chance that a correct sampler would have failed it.
 
 from __future__ import annotations
 
-import dflash  # noqa: F401, I001  # isort: skip  (before mlx: routes OpenBLAS)
-
 import itertools
 from dataclasses import dataclass
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dflash  # noqa: F401, I001  # isort: skip  (before mlx: routes OpenBLAS)
-
 import math
 
 import mlx.core as mx

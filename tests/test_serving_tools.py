@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 from dflash.errors import APIError
 from dflash.serving.reasoning import ThinkSplitter
 from dflash.serving.requests import ServedModel, parse_request

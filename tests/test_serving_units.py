@@ -10,7 +10,6 @@ import re
 
 import pytest
 
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 from dflash.errors import APIError, QueueFull
 from dflash.serving.requests import ServedModel, parse_request
 

@@ -12,16 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
-# isort: on
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from tiny_models import write_target
 
+import dflash
 from dflash.acceptance import measure_tau
 from dflash.drafter import load_draft
 from dflash.errors import DFlashError, TrainConfigError, TrainingDataError, UnsupportedTargetError

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import itertools
 
 import mlx.core as mx

@@ -4,9 +4,6 @@ exact on every target kind; ``policy="tree"`` refuses hybrid targets."""
 
 from __future__ import annotations
 
-# isort: off
-import dflash  # noqa: F401  (OpenBLAS before mlx)
-# isort: on
 import pytest
 from test_engine import N_TOKENS, references  # noqa: F401  (a fixture)
 from tiny_models import RankedOracleDrafter

@@ -10,10 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-# isort: off
-import dflash  # noqa: F401  (routes OpenBLAS before mlx loads)
 import mlx.core as mx
-# isort: on
 from mlx.utils import tree_flatten, tree_map
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
