@@ -192,6 +192,7 @@ class PassCosts:
         self._lock = threading.Lock()
         self._version = 0
         self._estimates: tuple[int, dict] | None = None
+        self._curve: tuple[dict, int, tuple[float, dict[int, float]]] | None = None
         self._dirty = False
         self._saved_at = time.monotonic()
 
@@ -259,14 +260,24 @@ class PassCosts:
     def learned_verify(self, rows: int, context: int = 256) -> float:
         """A target pass over ``rows`` tokens as learnt, priced in one-row passes at ``context``
         (each timed row count at the context nearest to this one it was timed at)."""
-        groups = self._groups()
+        base, ratios = self._row_curve(context)
+        return max(1e-3, base * along_rows(ratios, max(1, rows), PRIOR_ROW_COST))
+
+    def _row_curve(self, context: int) -> tuple[float, dict[int, float]]:
+        """A one-row pass at ``context`` and each timed row count's price in one-row passes
+        (kept until the next timing: the policy prices many row counts at one context)."""
+        groups = self._groups()  # a new dict at each timing
+        cached = self._curve
+        if cached is not None and cached[0] is groups and cached[1] == context:
+            return cached[2]
         ratios = {1: 1.0}
         for r, points in groups["verify"].items():
             if r > 1:
                 ratios[r] = along_context(
                     [(c, ms / self._one_row(groups, c, False)) for c, ms in points], context)
-        return max(1e-3, self._one_row(groups, context, False)
-                   * along_rows(ratios, max(1, rows), PRIOR_ROW_COST))
+        curve = (self._one_row(groups, context, False), ratios)
+        self._curve = (groups, context, curve)
+        return curve
 
     def learned_draft(self, rows: int) -> float:
         """A drafter block pass of ``rows`` rows as learnt (0 for no drafting); one not yet timed
