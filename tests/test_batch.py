@@ -80,7 +80,8 @@ def mixed_plant(cycle, row, j):
     return [j == 0, j == 2, False, j == (cycle % 5)][(cycle + row) % 4]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_5",
+                                  pytest.param("llama", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_greedy_equals_each_request_alone(kind, policy, loaded_pair):
     model, tokenizer, draft = loaded_pair(kind)

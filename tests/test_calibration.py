@@ -125,6 +125,7 @@ def test_calibration_times_the_pipelined_plain_step(qwen3, home):
     assert priced.source() == "calibrated" and priced.verify(4, 300) == cost.verify(4, 300)
 
 
+@pytest.mark.slow
 def test_calibration_in_an_older_format_is_ignored_and_measured_again(qwen3, home, capsys):
     path = _cache_file(qwen3)
     _calibrate(qwen3)
@@ -156,6 +157,7 @@ def test_calibration_from_another_machine_is_ignored_and_said_once(qwen3, home, 
     assert json.loads(path.read_text())["machine"] == costs.machine_id()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["file-in-the-way", "read-only"])
 def test_unwritable_calibration_folder_keeps_the_model_in_memory(how, qwen3, home, capsys):
     home.mkdir()

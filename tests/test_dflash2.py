@@ -91,7 +91,8 @@ def test_hf_single_sharded_and_6bit_forms_load(tmp_path, dflash2_pair, loaded_pa
 # Running: exactness through the real loop
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
+@pytest.mark.parametrize("kind", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_5",
+                                  pytest.param("llama", marks=pytest.mark.slow)])
 def test_greedy_output_equals_mlx_lm(kind, dflash2_pair):
     target, path, _ = dflash2_pair(kind)
     model, tokenizer = load(str(target))

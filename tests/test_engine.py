@@ -36,7 +36,8 @@ def references(loaded_pair):
     return get
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "qwen3" else k
+                                  for k in KINDS])  # qwen3: llama covers attention-only
 @pytest.mark.parametrize("block_size", [pytest.param(2, marks=pytest.mark.slow), 4,
                                         pytest.param(8, marks=pytest.mark.slow),
                                         pytest.param(16, marks=pytest.mark.slow)])

@@ -338,6 +338,7 @@ def test_trained_drafter_accepts_through_the_engine(pattern, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_held_out_tau_during_training_is_measured_per_domain(pattern, tmp_path):
     """--eval-prompts with several domains (the id's prefix): τ of each, and ``tau_b4`` over
     every cycle of all of them — what one measurement over all the prompts gives."""
@@ -400,6 +401,7 @@ def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     assert set(cfg["dflash_config"]["draft_vocab_ids"]) >= set(pattern["succ"])
 
 
+@pytest.mark.slow
 def test_a_packed_checkpoint_resumes_on_another_machine(pattern, tmp_path):
     """recipes/smollm2/carry_checkpoint.py: the newest checkpoint, packed small enough to carry
     (float16 weights, bfloat16 moments, $DFLASH_HOME-relative paths), resumes under another home."""
@@ -669,6 +671,7 @@ def test_block_loss_equals_the_log_softmax_formula_with_its_gradients(pattern, t
             assert mx.allclose(a, b, rtol=1e-3, atol=1e-6).item(), name
 
 
+@pytest.mark.slow
 def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(pattern, tmp_path):
     kw = dict(steps=6, checkpoint_every=100, optimizer="muon", soft_topk=8, soft_weight=0.5)
     straight = Trainer(opts(pattern, tmp_path / "a", **kw))
@@ -692,6 +695,7 @@ def test_time_budget_stops_checkpoints_and_resumes_without_repeating_steps(patte
     assert steps == [1, 2, 6]  # every 10th step and each invocation's last: none twice
 
 
+@pytest.mark.slow
 def test_cpu_budget_counts_cpu_time_and_carries_it_across_resume(pattern, tmp_path):
     """--cpu-budget stops on the run's CPU time (a shared machine's wall time depends on the other
     jobs): waiting costs nothing, the CPU of earlier invocations is kept in the checkpoint."""
@@ -722,6 +726,7 @@ def test_cpu_budget_counts_cpu_time_and_carries_it_across_resume(pattern, tmp_pa
         TrainOptions(target="t", data="d", out="o", cpu_budget=0).check()
 
 
+@pytest.mark.slow
 def test_cpu_schedule_anneals_when_the_cpu_budget_ends(pattern, tmp_path):
     """--lr-schedule cpu: warm-up and cosine run over the fraction of --cpu-budget spent, so a
     budgeted run ends annealed whatever a step costs (machines differ ~3x per step); --steps is a
