@@ -53,8 +53,25 @@ def win(policy: Policy, cycles: int, rows: int = 3) -> None:
         observe(policy, plan, accepted, log_probs[:, 0], rows + 1)
 
 
-def test_a_losing_pair_starts_its_next_generation_calibrated_and_behind_the_streak():
+def test_by_default_a_generation_inherits_the_drafters_calibration_only():
+    """The continuations' calibration and the losing streak belong to the last text: a new one
+    starts with the drafter's decayed calibration, a fresh continuation prior and no streak."""
     memory = PairMemory(15)
+    first = VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory)
+    conf = np.full(3, 0.97)
+    lose(first, 6)
+    first.calibration.continuation.update(np.full(3, 0.7), 3, 0)  # a continuation that lost
+    memory.calibration.continuation.update(np.full(3, 0.7), 3, 0)
+    assert memory.losses == 6 and memory.calibration.continuation.tried.sum() > 0
+    second = VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory)
+    assert second.predict(conf)[0] < 0.3  # the drafter's record is carried ...
+    assert second.backoff.losses == 0 and second.draft_rate is None  # ... not the streak ...
+    assert second.calibration.continuation.tried.sum() == 0  # ... nor the continuations'
+    assert second.plain_stretch(128, MAX_BACKOFF) == 0
+
+
+def test_a_losing_pair_can_start_its_next_generation_behind_the_streak():
+    memory = PairMemory(15, inherit_streak=True)
     first = VerifyPolicy("auto", 16, cost(ROWS_COST), memory=memory)
     fresh = VerifyPolicy("auto", 16, cost(ROWS_COST))
     conf = np.full(3, 0.97)

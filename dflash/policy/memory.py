@@ -11,12 +11,14 @@ most every ``SAVE_EVERY_S`` while generations run and when one ends; ``DFLASH_PA
 gives a loaded drafter that has no memory the pair's own file under ``$DFLASH_HOME/calibration/``
 (keyed by a fingerprint of both models' weights, so a drafter re-trained in place starts fresh).
 
-Carried, not imposed: a generation starts from the memory decayed toward the prior, at most
-``CARRY`` observations per confidence bin of each calibration (all block rows together), so a few
-cycles of the new text outweigh what other texts taught (measured: a memory of math and chat
-answers carried whole suppressed the context continuations code answers favour). The drafter's
-and the continuations' calibrations are kept apart, the continuations' binned by the order of
-the n-gram matched. The per-millisecond parts (the losing streak, the drafted blocks' rate)
+Carried, not imposed: a generation starts from the drafter's calibration decayed toward the
+prior (at most ``CARRY`` observations per confidence bin, all block rows together) and the recent
+verified depths. How often the context continues itself is a property of the text, not of the
+pair, and the losing streak belongs to the last text too, so neither is inherited by default
+(``carry_continuations`` / ``inherit_streak`` turn them on): measured on the held-out mix run
+math -> chat -> code in one process, inheriting them cost the code answers ~1.3x their priced
+time (continuations all but stopped), inheriting neither kept every domain within 5 % of fresh
+memory (docs/how-it-works.md, "Pair memory"). The per-millisecond parts (the losing streak, the drafted blocks' rate)
 belong to the machine that measured them and are dropped from a file written on another one.
 
 Exactness never depends on any of it: the memory only steers how much is drafted and verified.
@@ -84,12 +86,14 @@ class PairMemory:
     ``path``: where it is saved (``None``: in this process only; see :meth:`open`)."""
 
     def __init__(self, rows: int = 15, path: str | Path | None = None, carry: float = CARRY,
-                 cap: float = MEMORY_CAP):
+                 cap: float = MEMORY_CAP, carry_continuations: bool = False,
+                 inherit_streak: bool = False):
         if not (isinstance(carry, (int, float)) and carry >= 0):
             raise ValueError(f"carry={carry!r}: must be a number >= 0")
         self._lock = threading.Lock()
         self.calibration = Calibration.fresh(max(1, rows))
         self.carry, self.cap = float(carry), float(cap)
+        self.carry_continuations, self.inherit_streak = carry_continuations, inherit_streak
         self.depths: deque[int] = deque(maxlen=8)
         self.losses = 0
         self.draft_rate: float | None = None
@@ -117,14 +121,19 @@ class PairMemory:
         return memory
 
     def start(self) -> Carried:
-        """What a new generation starts from: the calibrations decayed toward the prior (at most
-        ``carry`` observations per confidence bin), the recent verified depths, the losing
-        streak (at most ``INHERITED_LOSSES`` long) and the drafted blocks' rate. A copy: a
+        """What a new generation starts from: the drafter's calibration decayed toward the prior
+        (at most ``carry`` observations per confidence bin) and the recent verified depths; with
+        ``carry_continuations`` the continuations' calibration too, with ``inherit_streak`` the
+        losing streak (at most ``INHERITED_LOSSES`` long) and the drafted blocks' rate. A copy: a
         running generation never sees another's updates."""
         with self._lock:
             calibration = self.calibration.copy()
             depths, losses, rate = list(self.depths), self.losses, self.draft_rate
         calibration.decay(self.carry)
+        if not self.carry_continuations:
+            calibration.continuation = AcceptanceModel(calibration.continuation.rows)
+        if not self.inherit_streak:
+            return Carried(calibration, depths, 0, None)
         return Carried(calibration, depths, min(losses, INHERITED_LOSSES), rate)
 
     def observe(self, outcome: Outcome, streak: tuple[int, float | None] | None = None) -> None:
