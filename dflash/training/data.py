@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 
 from ..errors import DataSetError, TrainingDataError
 from .recipe import anchor_range
+from .shards import iter_records
 
 RECORD_FIELDS = ("id", "prompt_ids", "response_ids")
 
@@ -43,24 +43,9 @@ def _records_of(path: Path) -> Iterator[tuple[int, object]]:
     """``read_records`` of a JSONL file, or the records of a shard folder (``dflash records``:
     sealed shards checked against their manifest, then the open ones), numbered in order."""
     if Path(path).is_dir():
-        from .shards import iter_records
-
         yield from enumerate(iter_records(path), 1)
     else:
         yield from read_records(path)
-
-
-def open_append(path: Path):
-    """A JSONL file opened for appending, after ending a line that an interrupted run (killed,
-    or stopped by a full disk) left unfinished: the cut line stays unreadable on its own instead
-    of swallowing the next record."""
-    f = Path(path).open("a+b")
-    if f.tell() > 0:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":
-            f.write(b"\n")
-    f.close()
-    return Path(path).open("a")
 
 
 def load_samples(data: str | Path) -> list[dict]:

@@ -39,10 +39,11 @@ from ..target import load_target as load
 from ..target import target_parts
 from ..workers import run_per_core
 from .capture import RolloutEngine
-from .data import Sample, open_append, read_records
+from .data import Sample, read_records
 from .dataset import FORMAT, check_manifest, save_features, target_fingerprint
 from .distributed import init_ranks
 from .features import FeatureStore
+from .jsonl import open_append
 from .recipe import parse_taps
 
 

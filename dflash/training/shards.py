@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DataSetError
+from .jsonl import open_append
 
 MANIFEST = "manifest.json"
 FORMAT = "dflash-shards/1"
@@ -228,7 +229,6 @@ class ShardStore:
             return None
         f = self._files.get(domain)
         if f is None:
-            from .data import open_append
 
             path = self._open_path(domain)
             self.open_counts[domain] = sum(1 for _ in read_jsonl_lines(path)) if path.exists() else 0

@@ -35,7 +35,7 @@ from ..target import load_target as load
 from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
-from .data import DataOrder, Sample, open_append, read_samples, seen_ids
+from .data import DataOrder, Sample, read_samples, seen_ids
 from .distributed import init_ranks
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
 from .features import FeatureStore, precompute_features
@@ -52,6 +52,7 @@ from .initialise import (
     read_v1_drafter,
     target_config,
 )
+from .jsonl import open_append
 from .loss import block_loss, block_stats
 from .options import TrainOptions
 from .recipe import default_gamma, loss_weights, parse_taps, pick_mask_token
