@@ -15,7 +15,7 @@ from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
 from .cost_model import PassCosts, cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
-from .lookup import ContextLookup
+from .lookup import ContextLookup, ContinuationIndex
 from .policy import (
     MAX_BACKOFF,
     Candidates,
@@ -199,6 +199,7 @@ def build_request(
     tree_budget: int | None = None,
     lookup: bool = True,
     memory: PairMemory | None = None,
+    index: ContinuationIndex | None = None,
 ) -> DecodeRequest:
     """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
     field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
@@ -212,6 +213,9 @@ def build_request(
     if memory is not None and not isinstance(memory, PairMemory):
         raise GenerationConfigError(
             f"memory={type(memory).__name__}: a dflash.policy.memory.PairMemory (or None)")
+    if index is not None and not isinstance(index, ContinuationIndex):
+        raise GenerationConfigError(
+            f"index={type(index).__name__}: a dflash.lookup.ContinuationIndex (or None)")
     if tree_budget is not None:  # now, not at the first token: its range is the cost model's
         check_tree_budget(tree_budget, cost_model(parts, draft)
                           if policy_class(policy).needs_cost else None)
@@ -246,7 +250,7 @@ def build_request(
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
-        lookup=bool(lookup), memory=memory)
+        lookup=bool(lookup), memory=memory, index=index)
 
 
 def _signature() -> inspect.Signature:
@@ -280,6 +284,7 @@ class DecodeRequest:
     tree_budget: int | None = None
     lookup: bool = True  # auto also verifies the context's own continuation (dflash.lookup)
     memory: PairMemory | None = None  # what earlier generations taught (None: the drafter's)
+    index: ContinuationIndex | None = None  # earlier requests' text (dflash.lookup); told this one's
 
 
 @dataclass
@@ -347,6 +352,8 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         raise
     finally:
         state.policy.finish()
+        if request.index is not None:  # what this request saw and wrote, for the next ones
+            request.index.add(state.history)
 
 
 def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: list | None,
