@@ -75,6 +75,7 @@ from .console import log
 from .cost_model import cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
+from .lookup import Match
 from .policy import (
     Chain,
     Continuation,
@@ -148,12 +149,12 @@ class BatchEvent:
 
 @dataclass
 class _PassPlan:
-    """What one batched pass verifies: each row's continuation (``looks``: tokens and n-gram
-    order) and its calibrated acceptance (``looked``: ``None`` where it has none), the drafter's
+    """What one batched pass verifies: each row's continuation (``looks``: a
+    :class:`~dflash.lookup.Match`, ``None`` where it has none) and its calibrated acceptance (``looked``: ``None`` where it has none), the drafter's
     pass (``drafted_rows``: 0 for none; its scores, top log-probabilities and tokens), the verify
     ``width`` (anchor included) and which rows verify their continuation (``use_look``)."""
 
-    looks: list[tuple[list[int], int]]
+    looks: list[Match | None]
     looked: list[np.ndarray | None]
     drafted_rows: int = 0
     scores: mx.array | None = None
@@ -177,6 +178,7 @@ class _Sequence:
     tic: float = 0.0  # when its prefill started, then when its decoding started
     conf: np.ndarray | None = None  # the drafter's top probabilities in its last drafted block
     stream: Generator[DFlashResponse, None, None] | None = None  # one-at-a-time fallback
+    prompt_cache: PromptCache | None = None  # where its prefill starts from and is kept
 
     @property
     def remaining(self) -> int:
@@ -249,9 +251,11 @@ class BatchGenerator:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def insert(self, prompt: str | Sequence[int], **settings) -> int:
+    def insert(self, prompt: str | Sequence[int], prompt_cache: PromptCache | None = None,
+               **settings) -> int:
         """Queue a prompt with the settings of :func:`~dflash.speculative.stream_generate`
-        (checked now: a typed error names the field); its uid."""
+        (checked now: a typed error names the field); its uid. ``prompt_cache``: the prefix
+        cache its prefill starts from and is kept in (``None``: the batch's)."""
         for name, value in settings.items():
             if name in ENGINE_SETTINGS:
                 home = ENGINE_SETTING_HOME[name]
@@ -273,7 +277,9 @@ class BatchGenerator:
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),
-                                    Detokenizer(self.tokenizer, request.stops)))
+                                    Detokenizer(self.tokenizer, request.stops),
+                                    prompt_cache=self.prompt_cache if prompt_cache is None
+                                    else prompt_cache))
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -348,16 +354,18 @@ class BatchGenerator:
 
     def _start_prefill(self, seq: _Sequence) -> None:
         self.prefilling, seq.tic = seq, time.perf_counter()
-        if self.prompt_cache is None:
+        if seq.prompt_cache is None:
             seq.cache, seq.dcache = make_cache(self.parts), self.draft.make_cache()
             return
-        seq.cache, seq.dcache, seq.prefilled = self.prompt_cache.take(
+        seq.cache, seq.dcache, seq.prefilled = seq.prompt_cache.take(
             self.parts, self.draft, seq.request.prompt_ids)
         seq.stats.reused_prompt_tokens = seq.prefilled
 
     def _event(self, seq: _Sequence, response: DFlashResponse, events: list[BatchEvent]) -> None:
         if response.finish_reason is not None and seq.state is not None:
             seq.state.policy.finish()
+            if seq.request.index is not None:  # what it saw and wrote, for the next requests
+                seq.request.index.add(seq.state.history)
         if response.tokens or response.text or response.finish_reason is not None:
             events.append(BatchEvent(seq.uid, response.text, list(response.tokens),
                                      response.finish_reason, response))
@@ -409,9 +417,9 @@ class BatchGenerator:
     def _joined(self, seq: _Sequence, last: mx.array, events: list[BatchEvent]) -> None:
         """A prompt is prefilled: its first token, then its caches join the batch as a row."""
         ids = seq.request.prompt_ids
-        if self.prompt_cache is not None:  # the next prompt may share a prefix with this one
-            self.prompt_cache.store(self.parts, self.draft, seq.cache, seq.dcache, ids)
-            self.prompt_cache.snapshot(len(ids))
+        if seq.prompt_cache is not None:  # the next prompt may share a prefix with this one
+            seq.prompt_cache.store(self.parts, self.draft, seq.cache, seq.dcache, ids)
+            seq.prompt_cache.snapshot(len(ids))
         if seq.request.max_tokens == 0:
             self._event(seq, snapshot(seq.stats, "", [], "length"), events)
             return
@@ -423,7 +431,7 @@ class BatchGenerator:
         self._event(seq, response, events)
         if response.finish_reason is not None:
             return
-        if self.rows or self.prompt_cache is not None:
+        if self.rows or seq.prompt_cache is not None:
             # (Copied into the batch: the prompt cache keeps these for the next prompt.)
             self._to_batch()
             self._add_row(seq.cache, seq.dcache)
@@ -507,9 +515,10 @@ class BatchGenerator:
         their own context's continuation (:mod:`dflash.lookup`: proposals without a drafter
         pass) instead of a drafted block."""
         rows = self.rows
-        looks = [s.state.lookup.continuation(s.state.history, cap - 1)
-                 if s.state.policy.looks_up and cap > 1 else ([], 0) for s in rows]
-        looked = [s.state.policy.lookup_expectation(*look) for s, look in zip(rows, looks)]
+        # A batched pass is as wide as its widest row: continuations stay within the block.
+        looks = [s.state.look(s.request, cap) if s.state.policy.looks_up and cap > 1 else None
+                 for s in rows]
+        looked = [s.state.policy.lookup_expectation(look) for s, look in zip(rows, looks)]
         plan = _PassPlan(looks, looked)
         speculation = self.speculation
         if speculation.want_draft([(s.state.policy, s.conf) for s in rows], looked, context,
@@ -549,7 +558,7 @@ class BatchGenerator:
             k = min(plan.width - 1, s.remaining - 1)
             props, q = [], None
             if k > 0 and plan.use_look[i]:
-                props = plan.looks[i][0][:k]
+                props = list(plan.looks[i].tokens[:k])
             elif k > 0 and not plan.drafted_rows:
                 pass  # a pass of continuations: this row takes a plain step in it
             elif k > 0 and s.request.sampler.proposes_argmax:
@@ -585,8 +594,9 @@ class BatchGenerator:
             s.state.commit_taps(taps[i:i + 1, :a + 1])
             looked = bool(props) and plan.use_look[i]
             if looked:
-                outcome = Outcome(Continuation(tuple(props), plan.looks[i][1]), a,
-                                  context=context, shared=True)
+                look = plan.looks[i]
+                outcome = Outcome(Continuation(tuple(props), look.length, look.count, look.source),
+                                  a, context=context, shared=True)
             elif props:
                 outcome = Outcome(Chain(len(props)), a, log_conf=plan.log_conf[i],
                                   draft_rows=plan.drafted_rows, context=context, shared=True)

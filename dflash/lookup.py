@@ -36,6 +36,7 @@ from .errors import GenerationConfigError
 
 ORDERS = (3, 2)  # longest match first: a 3-gram's continuation is right more often
 MAX_MATCH = 64  # matched tokens counted backwards (a longer match earns no longer chain)
+MAX_CHAIN = 64  # continuation tokens one verify pass may check (the policy prices each length)
 KEY = 4  # tokens hashed to find earlier occurrences across requests
 CANDIDATES = 8  # earlier occurrences of a key weighed per lookup (most recent first)
 DEFAULT_BUDGET = 262_144  # tokens an index holds: 3 MiB of ring and chains
@@ -102,10 +103,6 @@ class ContextLookup:
                                         history[b - 1 - j] if b - 1 - j >= 0 else None)
                 return Match(tuple(history[begin:begin + length]), max(n, matched))
         return None
-
-    def continuation(self, history: Sequence[int], length: int) -> tuple[list[int], int]:
-        found = self.find(history, length)
-        return ([], 0) if found is None else (list(found.tokens), min(found.length, 3))
 
 
 class ContinuationIndex:

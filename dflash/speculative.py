@@ -15,7 +15,7 @@ from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
 from .cost_model import PassCosts, cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
-from .lookup import ContextLookup, ContinuationIndex
+from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match
 from .policy import (
     MAX_BACKOFF,
     Candidates,
@@ -76,7 +76,8 @@ class DFlashResponse:
     reused_prompt_tokens: int = 0
     plain_steps: int = 0  # target steps without drafting (the policy's choice)
     tree_cycles: int = 0  # cycles that verified a draft tree
-    lookup_cycles: int = 0  # cycles that verified the context's own continuation (no drafting)
+    lookup_cycles: int = 0  # cycles that verified a continuation of text already seen (no drafting)
+    index_cycles: int = 0  # of those, continuations of earlier requests (the request's index)
     rows_per_pass: float = 0.0  # target rows per pass, anchor included
     # The passes chosen at this machine's calibrated costs (auto and tree policies; not batched)
     priced_ms: float | None = None
@@ -306,6 +307,13 @@ class DecodeState:
     lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
     costs: PassCosts | None = None  # told each pass's time (dflash.cost_model)
 
+    def look(self, request: DecodeRequest, remaining: int, ahead: list[int] | None = None):
+        """The best continuation of the history (and ``ahead``, tokens about to join it) in the
+        sequence itself or the request's index: at most ``remaining - 1`` tokens (the verify
+        pass's own token comes last), and at most :data:`~dflash.lookup.MAX_CHAIN`."""
+        history = self.history + ahead if ahead else self.history
+        return best_match(history, min(MAX_CHAIN, remaining) - 1, self.lookup, request.index)
+
     def timed(self, kind: str, rows: int, context: int, seconds: float) -> None:
         """Tell the pass costs what a pass took (from its issue to the host read of its result)."""
         if self.costs is not None:
@@ -441,7 +449,7 @@ def speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, b
     if bs <= 1:  # the last token: nothing to propose
         plan: Plan | None = Chain(0)
     else:
-        look = state.lookup.continuation(state.history, bs - 1) if policy.looks_up else None
+        look = state.look(request, remaining) if policy.looks_up else None
         plan = policy.before_draft(context, most, look)
     if plan is None:
         block = draft_block(parts, draft, request, state, policy.draft_rows(bs))
@@ -558,7 +566,7 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
         policy.observe(Outcome(Plain(1), context=len(state.fed)))  # priced at its own context
         out.append(token)
         if more and policy.looks_up and policy.lookup_worth(
-                *state.lookup.continuation(state.history + out, request.block_size - 1)):
+                state.look(request, MAX_CHAIN, out)):
             # The context continues itself here: end the stretch and verify that instead (a
             # pass already queued on this token is taken first, as the stretch's last step).
             n = i + 2 if pipelined else i + 1
@@ -720,6 +728,7 @@ def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: 
     state.cycle_tokens += a + 1
     stats.mean_tau = state.cycle_tokens / stats.cycles
     stats.lookup_cycles = state.policy.stats.lookup_cycles
+    stats.index_cycles = state.policy.stats.index_cycles
     if step.lookup:  # acceptance by position is the drafter's
         return
     for j in range(step.verified if step.depths is None else step.depths):

@@ -27,6 +27,7 @@ def generation_stats(r: DFlashResponse, rounded: bool = True) -> dict:
         "plain_steps": r.plain_steps,
         "tree_cycles": r.tree_cycles,
         "lookup_cycles": r.lookup_cycles,
+        "index_cycles": r.index_cycles,
         "rows_per_pass": rnd(r.rows_per_pass, 3),
         "priced_ms": None if r.priced_ms is None else rnd(r.priced_ms, 1),
         "reused_prompt_tokens": r.reused_prompt_tokens,

@@ -509,15 +509,15 @@ def test_sampled_batched_continuations_keep_the_target_distribution(tmp_path, mo
 
     import dflash.batch as batch_module
     from dflash.drafter import load_draft
-    from dflash.lookup import ContextLookup
+    from dflash.lookup import ContextLookup, Match
 
     model, dpath = st.sharp_target(tmp_path)
     draft = load_draft(dpath)
     monkeypatch.setattr(batch_module, "cost_model", lambda *a, **k: lookup_costs())
     # A stand-in continuation that always exists (a function of the history, right now and
     # then).
-    monkeypatch.setattr(ContextLookup, "continuation",
-                        lambda self, history, length: (history[::-1][:length], 2))
+    monkeypatch.setattr(ContextLookup, "find", lambda self, history, length:
+                        Match(tuple(history[::-1][:length]), 2))
     settings = dict(st.CASES["temperature"])
     joint = st.exact_joint(st.reference_next(st.target_logits(model, st.all_prefixes(st.K - 1)),
                                              settings))

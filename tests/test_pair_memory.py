@@ -18,6 +18,7 @@ import pytest
 from test_plain_steps import FLAT_COST, ROWS_COST, confident, cost, observe
 
 import dflash
+from dflash.lookup import Match
 from dflash.policy import (
     MAX_BACKOFF,
     MIN_DRAFT_ROWS,
@@ -151,7 +152,7 @@ def test_carried_calibration_decays_so_a_few_cycles_of_new_text_re_steer_it():
     assert fresh.calibration.continuation.tried.sum() <= CARRY + 1e-9
     for _ in range(4):
         observe(fresh, Continuation((1, 2, 3), 3), 3, draft_rows=0)
-    assert fresh.lookup_expectation([1, 2, 3], 3)[0] > 0.5
+    assert fresh.lookup_expectation(Match((1, 2, 3), 3))[0] > 0.5
 
 
 def test_the_memory_is_the_callers_and_only_autos(loaded_pair, monkeypatch):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dflash.errors import GenerationConfigError
+from dflash.lookup import Match
 from dflash.policy import (
     BATCHED_POLICIES,
     MAX_BACKOFF,
@@ -124,7 +125,7 @@ def test_the_simple_policies_verify_the_same_way_every_cycle(name, settings, kin
 # ---------------------------------------------------------------------------------------------
 # Before drafting: the back-off and the context's continuation
 
-CONTINUATION = ([5, 6, 7, 8, 9], 3)  # matched on a 3-gram
+CONTINUATION = Match((5, 6, 7, 8, 9), 3)  # matched on a 3-gram
 
 BEFORE_DRAFT = [
     # (case, policy settings, continuation, expected plan, stretch left after)
@@ -150,7 +151,7 @@ def test_auto_before_draft(case, settings, continuation, expected, left):
     plan = policy.before_draft(128, MAX_BACKOFF, continuation)
     if isinstance(expected, type):
         assert isinstance(plan, expected), plan
-        assert plan.tokens == tuple(continuation[0][:plan.rows]) and plan.order == 3
+        assert plan.tokens == continuation.tokens[:plan.rows] and plan.match == 3
     else:
         assert plan == expected
     assert policy.backoff.stretch == left

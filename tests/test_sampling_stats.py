@@ -558,45 +558,54 @@ LOOKUP_VERIFY = [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
 LOOKUP_DRAFT = [5.0, 5.0]
 
 
-def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N) -> tuple[np.ndarray, int]:
+def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N,
+               source: str = "stand-in") -> tuple[np.ndarray, int]:
     """``n`` generations under ``policy="auto"`` on a machine where verifying is cheap and
-    drafting dear, with a stand-in continuation that always exists (the history's last
-    tokens, reversed: a function of the history, as a real continuation is, and right now
-    and then): drafted chains, continuation chains and plain steps occur.
+    drafting dear: drafted chains, continuation chains and plain steps occur. ``source``
+    ``"stand-in"``: a continuation that always exists (the history's last tokens, reversed: a
+    function of the history, as a real continuation is, and right now and then); ``"index"``:
+    one real cross-request index shared by the ``n`` generations (each proposes what earlier
+    samples wrote after the same prompt, as a sampled retry does).
     The sequences and the number of continuation chains verified."""
     from dflash import cost_model as costs
-    from dflash.lookup import ContextLookup
+    from dflash.lookup import ContextLookup, ContinuationIndex, Match
 
     model, draft = pair
     flat = costs.CostModel(key="flat", machine=costs.machine_id(), rows=[1, 2, 4, 8, 16, 32],
                            contexts=[4, 64], verify_ms=[LOOKUP_VERIFY, LOOKUP_VERIFY],
                            draft_rows=[2, 4], draft_ms=LOOKUP_DRAFT)
     monkeypatch.setattr(speculative, "cost_model", lambda *a, **k: flat)
-    monkeypatch.setattr(ContextLookup, "continuation",
-                        lambda self, history, length: (history[::-1][:length], 2))
+    index = ContinuationIndex(4096) if source == "index" else None
+    if index is None:
+        monkeypatch.setattr(ContextLookup, "find", lambda self, history, length:
+                            Match(tuple(history[::-1][:length]), 2))
     seqs = np.zeros((n, K), dtype=np.int64)
     lookups = 0
     for s in range(n):
         tokens, last = [], None
         for r in stream_generate(model, TableDrafter(draft, raw_np), None, PROMPT,
                                  block_size=BLOCK, max_tokens=K, seed=s, policy="auto",
-                                 **settings):
+                                 index=index, **settings):
             tokens += r.tokens
             last = r
         seqs[s] = tokens
-        lookups += last.lookup_cycles
+        lookups += last.index_cycles if index is not None else last.lookup_cycles
     return seqs, lookups
 
 
-@pytest.mark.parametrize("case", ("temperature", "penalties"))
-def test_lookup_chains_keep_the_target_distribution(case, pair, raw_table, raw_np, monkeypatch):
+@pytest.mark.parametrize("case,source", [("temperature", "stand-in"),
+                                         ("penalties", "stand-in"),
+                                         ("temperature", "index")])
+def test_lookup_chains_keep_the_target_distribution(case, source, pair, raw_table, raw_np,
+                                                    monkeypatch):
     """A continuation is a proposal without a q: each token is accepted with the target's
-    probability of it and the first rejection draws from the target's row without it."""
+    probability of it and the first rejection draws from the target's row without it; also when
+    it is what earlier samples wrote (the cross-request index)."""
     settings = CASES[case]
     joint = exact_joint(reference_next(raw_table, settings))
-    seqs, lookups = run_lookup(pair, raw_np, settings, monkeypatch)
+    seqs, lookups = run_lookup(pair, raw_np, settings, monkeypatch, source=source)
     stat, df, p = chi_square(seqs, joint)
-    print(f"\nlookup/{case}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against chi-square "
+    print(f"\nlookup/{case}/{source}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against chi-square "
           f"divergence >= {detectable(df):.3f}) continuation chains={lookups} in {N} runs")
     assert lookups >= N // 2  # the continuation was verified, often
     assert p >= ALPHA, f"lookup/{case}: chi2={stat:.1f} on {df} df, p={p:.2e}"

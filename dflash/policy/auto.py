@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..lookup import MAX_CHAIN, Match
 from ..tree import build_tree
 from .backoff import MARGIN, Backoff, draft_rows, judged_rate
 from .base import TREE_BUDGETS, Candidates, Policy
@@ -38,9 +39,9 @@ class AutoPolicy(Policy):
         super().__init__(block_size, cost, pipelined=pipelined)
         cap = min(most, tree_budget or most)
         self.budgets = [b for b in TREE_BUDGETS if b <= cap] if trees else []
-        self.calibration = Calibration.fresh(max(1, block_size - 1))
+        self.calibration = Calibration.fresh(max(1, block_size - 1), MAX_CHAIN)
         self.looks_up = lookup
-        self.looked: tuple[list[int], int] | None = None  # this cycle's continuation, if any
+        self.looked: Match | None = None  # this cycle's continuation, if any
         self.draft_rate: float | None = None  # expected tokens per ms of recent drafted blocks
         self.expected: float | None = None  # tokens per ms expected of this cycle's plan
         self.depths: deque[int] = deque(maxlen=8)  # deepest row of recent plans
@@ -65,10 +66,10 @@ class AutoPolicy(Policy):
     # -- before drafting ----------------------------------------------------------------------
 
     def before_draft(self, context: int, most: int,
-                     continuation: tuple[list[int], int] | None = None) -> Plain | Continuation | None:
+                     continuation: Match | None = None) -> Plain | Continuation | None:
         stretch = self.plain_stretch(context, most)
         if self.looks_up and continuation is not None:
-            plan = self._continuation_first(*continuation, drafting=not stretch)
+            plan = self._continuation_first(continuation, drafting=not stretch)
             if plan is not None:
                 self.backoff.give_back(stretch)
                 return plan
@@ -86,15 +87,15 @@ class AutoPolicy(Policy):
         # losing streak (most likely verifies nothing): the smallest pass.
         return draft_rows(block, self.depths, losing=self.backoff.losses > 0)
 
-    def _continuation_first(self, tokens: list[int], order: int,
-                            drafting: bool) -> Continuation | None:
-        """The continuation ``tokens`` verified without drafting, if it is expected to commit
-        more per ms than a plain step and, when the drafter would draft (``drafting``), than its
-        recent blocks; ``None``: not now (:meth:`after_draft` still weighs it)."""
-        self.looked = (tokens, order) if tokens else None
+    def _continuation_first(self, match: Match, drafting: bool) -> Continuation | None:
+        """The continuation ``match`` verified without drafting (as many of its tokens as pay
+        best: a long match earns a long chain), if it is expected to commit more per ms than a
+        plain step and, when the drafter would draft (``drafting``), than its recent blocks;
+        ``None``: not now (:meth:`after_draft` still weighs it)."""
+        self.looked = match if match else None
         if self.looked is None:
             return None
-        value = self._lookup_values(tokens, order, 0.0)
+        value = self._lookup_values(match, 0.0)
         k = int(np.argmax(value)) + 1
         if value[k - 1] * self._plain_ms() < MARGIN:
             return None
@@ -104,7 +105,7 @@ class AutoPolicy(Policy):
         if drafting and not self.backoff.losses and value[k - 1] < drafter:
             return None
         self.expected = float(value[k - 1])
-        return Continuation(tuple(tokens[:k]), order)
+        return _chain_of(match, k)
 
     def _best_drafted_rate(self) -> float:
         """Tokens per ms of a drafted block whose every row is accepted: what no drafter beats."""
@@ -112,9 +113,9 @@ class AutoPolicy(Policy):
         return float(max((k + 1) / (self.cost.draft(k + 1) + ms)
                          for k, ms in zip(rows, self._chain_ms())))
 
-    def _lookup_values(self, tokens: list[int], order: int, draft_ms: float) -> np.ndarray:
+    def _lookup_values(self, match: Match, draft_ms: float) -> np.ndarray:
         """Expected committed tokens per ms of verifying the first ``k`` continuation tokens."""
-        p = self.lookup_expectation(tokens, order)
+        p = self.lookup_expectation(match)
         return expected_tokens(p)[1:] / (draft_ms + self._chain_ms()[:len(p)])
 
     def _chain_ms(self) -> np.ndarray:
@@ -127,15 +128,15 @@ class AutoPolicy(Policy):
                 [self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)]))
         return self._chain_cache[1]
 
-    def lookup_expectation(self, tokens: list[int], order: int) -> np.ndarray | None:
-        if not (self.looks_up and tokens):
+    def lookup_expectation(self, match: Match | None) -> np.ndarray | None:
+        if not (self.looks_up and match):
             return None
-        n = min(len(tokens), self.calibration.continuation.rows)
-        return self.calibration.continuation.predict(np.full(n, lookup_prior(order)))
+        n = min(len(match.tokens), self.calibration.continuation.rows)
+        return self.calibration.continuation.predict(
+            np.full(n, lookup_prior(match.length, match.count)))
 
-    def lookup_worth(self, tokens: list[int], order: int) -> bool:
-        return bool(tokens) and \
-            self._lookup_values(tokens, order, 0.0).max() * self._plain_ms() >= MARGIN
+    def lookup_worth(self, match: Match | None) -> bool:
+        return bool(match) and self._lookup_values(match, 0.0).max() * self._plain_ms() >= MARGIN
 
     # -- after drafting -----------------------------------------------------------------------
 
@@ -162,11 +163,11 @@ class AutoPolicy(Policy):
         self.draft_rate = self.expected if self.draft_rate is None else \
             (1 - EMA) * self.draft_rate + EMA * self.expected
         if self.looked is not None:  # the drafter pass is spent either way
-            value = self._lookup_values(*self.looked, draft_ms)
+            value = self._lookup_values(self.looked, draft_ms)
             k = int(np.argmax(value)) + 1
             if value[k - 1] > self.expected and value[k - 1] * self._plain_ms() >= MARGIN:
                 drafter_value, self.expected = self.expected, float(value[k - 1])
-                return Continuation(tuple(self.looked[0][:k]), self.looked[1], drafter_value)
+                return _chain_of(self.looked, k, drafter_value)
         # A drafter that has not agreed once in a losing streak: a block whose best plan loses
         # to a plain step is not verified (its verify rows would most likely only confirm the
         # loss; the drafter pass is spent either way).
@@ -222,3 +223,8 @@ class AutoPolicy(Policy):
             if cfg.get("pair_memory") else ""
         return ("auto (rows chosen per cycle from this machine's measured cost model; plain "
                 f"steps while speculation loses{lookup}{memory})")
+
+
+def _chain_of(match: Match, k: int, drafter_value: float | None = None) -> Continuation:
+    """The first ``k`` tokens of ``match`` as the plan that verifies them."""
+    return Continuation(match.tokens[:k], match.length, match.count, match.source, drafter_value)

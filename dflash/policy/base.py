@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # types only: the CLI reads POLICIES without loading MLX
     import mlx.core as mx
 
     from ..cost_model import CostModel
+    from ..lookup import Match
 
 TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_TREE_BUDGET = 16
@@ -54,9 +55,9 @@ class Policy:
         return 1
 
     def before_draft(self, context: int, most: int,
-                     continuation: tuple[list[int], int] | None = None) -> Plain | Continuation | None:
-        """Before drafting, at ``context`` tokens: up to ``most`` plain steps, or the context's
-        ``continuation`` (tokens, n-gram order), verified without a drafter pass; ``None``: draft."""
+                     continuation: Match | None = None) -> Plain | Continuation | None:
+        """Before drafting, at ``context`` tokens: up to ``most`` plain steps, or (some of) the
+        ``continuation`` of text already seen, verified without a drafter pass; ``None``: draft."""
         self.context = context
         return None
 
@@ -86,11 +87,11 @@ class Policy:
     def give_back(self, steps: int) -> None:
         """Plain steps of a stretch not taken."""
 
-    def lookup_worth(self, tokens: list[int], order: int) -> bool:
-        """Whether the continuation ``tokens`` ends a plain stretch."""
+    def lookup_worth(self, match: Match | None) -> bool:
+        """Whether the continuation ``match`` ends a plain stretch."""
         return False
 
-    def lookup_expectation(self, tokens: list[int], order: int) -> np.ndarray | None:
+    def lookup_expectation(self, match: Match | None) -> np.ndarray | None:
         """Calibrated acceptance of each row of a continuation (``None``: not looked up)."""
         return None
 

@@ -20,14 +20,23 @@ from .plan import Chain, Continuation, Outcome, Tree
 BINS = 10
 PRIOR = 0.5  # pseudo-observations of the raw confidence per bin (a drafter can be confidently wrong)
 ROW_PRIOR = 4.0  # pseudo-observations of the bin's all-rows estimate per row
-# Prior acceptance of a context continuation's rows by the order of the n-gram it matched
-# (:mod:`dflash.lookup`), until some are verified (measured: docs/how-it-works.md, "Verify policy").
-LOOKUP_PRIOR = {3: 0.7, 2: 0.5}
+# A continuation's rows are calibrated per class of match (:mod:`dflash.lookup`): the class is
+# how far back its context matched, one class up where three or more earlier occurrences agree.
+# Each class has its own confidence bin, and its prior acceptance until some rows are verified
+# (2- and 3-gram priors measured: docs/how-it-works.md, "Verify policy"; the longer classes'
+# priors are what verification quickly replaces).
+MATCH_CLASSES = ((16, 0.95), (8, 0.85), (4, 0.75), (3, 0.65), (0, 0.5))  # (shortest match, prior)
+AGREEING = 3  # earlier occurrences agreeing on the first token that earn one class up
 
 
-def lookup_prior(order: int) -> float:
-    """The prior acceptance of a continuation matched on an ``order``-gram."""
-    return LOOKUP_PRIOR.get(order, min(LOOKUP_PRIOR.values()))
+def lookup_prior(match: int, count: int = 1) -> float:
+    """The prior acceptance of a continuation's rows whose context matched ``match`` tokens,
+    ``count`` earlier occurrences agreeing (also its confidence bin in the calibration)."""
+    classes = [i for i, (shortest, _) in enumerate(MATCH_CLASSES) if match >= shortest]
+    i = classes[0] if classes else len(MATCH_CLASSES) - 1
+    if count >= AGREEING:
+        i = max(0, i - 1)
+    return MATCH_CLASSES[i][1]
 
 
 @dataclass
@@ -166,8 +175,8 @@ class Calibration:
     nodes: NodeCalibration = field(default_factory=NodeCalibration)
 
     @classmethod
-    def fresh(cls, rows: int) -> Calibration:
-        return cls(AcceptanceModel(rows), AcceptanceModel(rows))
+    def fresh(cls, rows: int, continuation_rows: int | None = None) -> Calibration:
+        return cls(AcceptanceModel(rows), AcceptanceModel(max(rows, continuation_rows or rows)))
 
     def copy(self) -> Calibration:
         return Calibration(self.drafter.copy(), self.continuation.copy(), self.nodes.copy())
@@ -185,7 +194,7 @@ class Calibration:
         about a proposal source to learn)."""
         plan = outcome.plan
         if isinstance(plan, Continuation):
-            conf = np.full(plan.rows, lookup_prior(plan.order))
+            conf = np.full(plan.rows, lookup_prior(plan.match, plan.count))
             self.continuation = self.continuation.grown(plan.rows)
             self.continuation.update(conf, plan.rows, outcome.accepted)
             return None

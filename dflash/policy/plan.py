@@ -20,12 +20,17 @@ class Plain:
 
 @dataclass(frozen=True)
 class Continuation:
-    """The context's own continuation (:mod:`dflash.lookup`), matched on an ``order``-gram, as a
-    chain: no drafter pass. ``drafter_value``: the drafted block it won over, if one was drafted
-    (expected tokens per ms of that block's best plan)."""
+    """A continuation of text already seen (:mod:`dflash.lookup`), verified as a chain: no
+    drafter pass. ``match``: how many tokens of the context it matched (up to
+    :data:`~dflash.lookup.MAX_MATCH`); ``count``: earlier occurrences agreeing on its first token;
+    ``source``: ``"context"`` (this sequence) or ``"index"`` (earlier requests);
+    ``drafter_value``: the drafted block it won over, if one was drafted (expected tokens per ms
+    of that block's best plan)."""
 
     tokens: tuple[int, ...]
-    order: int
+    match: int
+    count: int = 1
+    source: str = "context"
     drafter_value: float | None = None
 
     @property

@@ -32,7 +32,8 @@ class PolicyStats:
     tree_cycles: int = 0
     plain_steps: int = 0
     unverified_probes: int = 0  # drafter passes whose block was not worth verifying
-    lookup_cycles: int = 0  # chains of the context's own continuation
+    lookup_cycles: int = 0  # chains of text already seen (this sequence's or the index's)
+    index_cycles: int = 0  # of those, continuations found in earlier requests (dflash.lookup)
     rows_verified: int = 0  # target rows over all passes (anchor included)
     # The passes chosen, priced by the calibrated cost model (None: no cost model, or a batched
     # sequence, whose passes are shared): what the choices cost on this machine, whatever else
@@ -56,6 +57,7 @@ class PolicyStats:
                 self.unverified_probes += 1
             case Continuation() as plan:
                 self.lookup_cycles += 1
+                self.index_cycles += plan.source == "index"
                 self.rows_verified += plan.rows + 1
             case Tree() as plan:
                 self.speculative_cycles += 1
