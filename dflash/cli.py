@@ -116,6 +116,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default info)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY or x-api-key: KEY) "
+                        "on every route but /health; repeat for several (default: none, anyone "
+                        "who reaches the port may use the server)")
+    g.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="a file of keys, one per line (blank lines and # comments skipped), "
+                        "with or instead of --api-key")
+    g.add_argument("--share", choices=("key", "all", "none"), default="key",
+                   help="whose earlier text may speed up a request (the continuation index and "
+                        "the prefix cache): key (default: the same API key's only), all (one "
+                        "shared by every client: single-user machines), none (no reuse across "
+                        "requests)")
+    g.add_argument("--index-budget", type=int, default=None, metavar="TOKENS",
+                   help="tokens each continuation index holds, the oldest dropped first "
+                        "(default 262144)")
     add_pair_memory_arg(g)
 
 
@@ -403,6 +418,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"--block-size {args.block_size}: must be >= 2", code=2)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CLIError(f"--max-concurrency {args.max_concurrency}: must be >= 1", code=2)
+    if args.index_budget is not None and args.index_budget < 1:
+        raise CLIError(f"--index-budget {args.index_budget}: must be a positive number of "
+                       "tokens", code=2)
+    from .lookup import DEFAULT_BUDGET
+    from .serving.scopes import read_keys_file
+
+    keys = list(args.api_key or [])
+    if args.api_keys_file is not None:
+        keys += read_keys_file(args.api_keys_file)
     from .serving import create_server, run  # MLX and the server load only for `serve`
 
     server = create_server(args.model, args.draft, served_model_name=args.served_model_name,
@@ -410,7 +434,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            default_max_tokens=args.default_max_tokens,
                            block_size=args.block_size, max_queue=args.max_queue,
                            max_concurrency=args.max_concurrency, reasoning=args.reasoning,
-                           pair_memory=args.pair_memory)
+                           pair_memory=args.pair_memory, api_keys=keys, share=args.share,
+                           index_budget=args.index_budget or DEFAULT_BUDGET)
     run(server, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -424,6 +449,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_concurrency_bench,
     )
 
+    if args.trace is not None:
+        return _bench_trace(args)
     if args.tau or args.bound:  # drafters side by side / what the drafter allows at most
         from . import bound, tau
 
@@ -447,6 +474,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             (out / f"concurrency-{args.concurrency}{batch}.json").write_text(
                 json.dumps(result, indent=1, default=str) + "\n")
         return 0
+    if args.no_index:
+        raise CLIError("--no-index: only with --trace", code=2)
     try:
         block_sizes = parse_block_sizes(args.block_size)
     except ValueError as e:
@@ -461,6 +490,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lookup=not args.no_lookup, pair_memory=args.pair_memory)
     print(format_summary(result), flush=True)
     return 0
+
+
+def _bench_trace(args: argparse.Namespace) -> int:
+    """``dflash bench --trace``: greedy, one block size; the trace is read (and any error in it
+    reported) before a model loads. Exit 1 where an output differs from mlx-lm's."""
+    from .bench import format_trace_summary, parse_block_sizes, run_trace_bench
+    from .traces import load_trace
+
+    for name in ("concurrency", "tau", "bound", "pair_memory"):
+        if getattr(args, name) not in (None, False):
+            raise CLIError(f"--trace takes no --{name.replace('_', '-')} (each run starts from "
+                           "an empty pair memory; one conversation at a time)", code=2)
+    if args.prompts != "builtin":
+        raise CLIError("--trace replaces --prompts: give one of them", code=2)
+    if args.temperature != 0:
+        raise CLIError("--trace is greedy (the histories hold the target's own answers): "
+                       "no --temperature", code=2)
+    if args.system is not None:
+        raise CLIError("--trace: the system message is the trace's own (`system`)", code=2)
+    if args.repeats < 1:
+        raise CLIError(f"--repeats {args.repeats}: must be >= 1", code=2)
+    block_size = None
+    if args.block_size is not None:
+        try:
+            sizes = parse_block_sizes(args.block_size)
+        except ValueError as e:
+            raise CLIError(f"--block-size {args.block_size}: {e}", code=2) from None
+        if len(sizes) > 1:
+            raise CLIError("--trace takes one --block-size, not a sweep", code=2)
+        block_size = sizes[0]
+    load_trace(args.trace, args.limit)  # a bad trace fails here, before the models load
+    result = run_trace_bench(
+        args.trace, model=args.model, draft=args.draft, repeats=args.repeats,
+        warmup=not args.no_warmup, index=not args.no_index, lookup=not args.no_lookup,
+        block_size=block_size, policy=args.policy, tree_budget=args.tree_budget,
+        min_confidence=args.min_confidence, limit=args.limit,
+        chat_template=not args.no_chat_template, template_kwargs=template_kwargs(args),
+        out=args.out, log=log)
+    print(format_trace_summary(result), flush=True)
+    return 0 if result["identical"] else 1
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -584,7 +653,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="builtin",
                    help="JSONL file (one object a line with `prompt` or `messages`) or "
                         "`builtin` (math word problems and coding tasks; default)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay multi-turn agent conversations (JSONL, one conversation a "
+                        "line; `agent`: the shipped ones) turn by turn, the whole history each "
+                        "turn, greedy; per-turn and total speed-up end to end, time to first "
+                        "token with and without the prefix cache, passes by proposal source "
+                        "(docs/benchmarks.md#trace-benchmark)")
+    p.add_argument("--no-index", action="store_true",
+                   help="with --trace: no continuation index across requests (each turn "
+                        "proposes only from its own text and the drafter)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="use only the first N prompts (with --trace: conversations)")
     p.add_argument("--block-size", default=None,
                    help="block size or comma-separated list to sweep, e.g. 4,8,16 "
                         "(default: the drafter's)")

@@ -33,6 +33,11 @@ class PromptFileError(DFlashError):
     """A prompt file that is missing, not JSONL, or has a line without a prompt field."""
 
 
+class TraceFileError(PromptFileError):
+    """A trace file (``dflash bench --trace``) that is missing, not JSONL, or has a conversation or
+    turn without its fields (or with a field it does not know)."""
+
+
 class DataSetError(DFlashError):
     """A generated data set that is missing, empty or holds malformed records."""
 
@@ -64,6 +69,11 @@ class GenerationCancelled(Exception):
 
 class ServerStartError(DFlashError):
     """``dflash serve`` could not listen on the address and port it was given."""
+
+
+class ServerConfigError(DFlashError):
+    """A ``dflash serve`` setting that cannot be used: an API keys file that is missing or holds
+    no key, an unknown ``--share`` mode, an index budget that is not a positive number."""
 
 
 class APIError(Exception):

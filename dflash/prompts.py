@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import PromptFileError
@@ -18,17 +19,27 @@ PROMPT_FIELDS = ("messages", "prompt", "question", "instruction")
 PROMPT_SETS = Path(__file__).parent / "assets" / "prompts"
 
 
+def shipped_names(folder: Path) -> list[str]:
+    """The names of the JSONL files shipped in the package's ``folder``."""
+    return sorted(p.stem for p in folder.glob("*.jsonl"))
+
+
+def shipped_file(path: str | Path, folder: Path) -> Path:
+    """``path`` itself, or the JSONL file in ``folder`` it names when no such file exists."""
+    path = Path(path)
+    if not path.exists() and path.suffix == "" and (folder / f"{path}.jsonl").is_file():
+        return folder / f"{path}.jsonl"
+    return path
+
+
 def prompt_sets() -> list[str]:
     """The names of the prompt sets shipped with the package."""
-    return sorted(p.stem for p in PROMPT_SETS.glob("*.jsonl"))
+    return shipped_names(PROMPT_SETS)
 
 
 def prompt_file(path: str | Path) -> Path:
     """``path`` itself, or the shipped prompt set it names when no such file exists."""
-    path = Path(path)
-    if not path.exists() and path.suffix == "" and (PROMPT_SETS / f"{path}.jsonl").is_file():
-        return PROMPT_SETS / f"{path}.jsonl"
-    return path
+    return shipped_file(path, PROMPT_SETS)
 
 
 def prompt_domain(prompt_id: str) -> str:
@@ -45,6 +56,22 @@ def _check_messages(messages, where: str) -> list[dict]:
     return messages
 
 
+def jsonl_lines(path: Path, error: type[PromptFileError],
+                what: str) -> Iterator[tuple[int, str, object]]:
+    """``(line number, "file:line", value)`` for each non-blank line of a JSONL file; a line that
+    is not JSON raises ``error`` naming the file and line (``what``: what the file should hold)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: not valid JSON ({e.msg}); {what}") from None
+            yield lineno, where, obj
+
+
 def read_prompts(path: str | Path) -> list[dict]:
     """Return ``[{"id", "messages" | "prompt"}]``; a bad line raises :class:`PromptFileError`
     naming the file and line. A shipped prompt set may be named (``heldout-mix``)."""
@@ -54,33 +81,25 @@ def read_prompts(path: str | Path) -> list[dict]:
                               f"{', '.join(prompt_sets())})")
     items = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{where}: not valid JSON ({e.msg}); prompt files are JSONL, "
-                                      "one JSON object per line") from None
-            if not isinstance(obj, dict):
-                raise PromptFileError(f"{where}: expected a JSON object, got "
-                                      f"{type(obj).__name__}")
-            item = {"id": str(obj.get("id", obj.get("task_id", f"{path.stem}-{lineno}")))}
-            if item["id"] in seen:
-                raise PromptFileError(f"{where}: id {item['id']!r} repeats line {seen[item['id']]}")
-            seen[item["id"]] = lineno
-            if obj.get("messages") is not None:
-                item["messages"] = _check_messages(obj["messages"], where)
-            else:
-                text = next((obj[k] for k in PROMPT_FIELDS[1:] if isinstance(obj.get(k), str)), None)
-                if text is None:
-                    raise PromptFileError(
-                        f"{where}: needs one of the fields {', '.join(PROMPT_FIELDS)} "
-                        f"(found {', '.join(sorted(obj)) or 'none'})")
-                item["prompt"] = text
-            items.append(item)
+    for lineno, where, obj in jsonl_lines(path, PromptFileError,
+                                          "prompt files are JSONL, one JSON object per line"):
+        if not isinstance(obj, dict):
+            raise PromptFileError(f"{where}: expected a JSON object, got "
+                                  f"{type(obj).__name__}")
+        item = {"id": str(obj.get("id", obj.get("task_id", f"{path.stem}-{lineno}")))}
+        if item["id"] in seen:
+            raise PromptFileError(f"{where}: id {item['id']!r} repeats line {seen[item['id']]}")
+        seen[item["id"]] = lineno
+        if obj.get("messages") is not None:
+            item["messages"] = _check_messages(obj["messages"], where)
+        else:
+            text = next((obj[k] for k in PROMPT_FIELDS[1:] if isinstance(obj.get(k), str)), None)
+            if text is None:
+                raise PromptFileError(
+                    f"{where}: needs one of the fields {', '.join(PROMPT_FIELDS)} "
+                    f"(found {', '.join(sorted(obj)) or 'none'})")
+            item["prompt"] = text
+        items.append(item)
     if not items:
         raise PromptFileError(f"prompt file {path} holds no prompts")
     return items

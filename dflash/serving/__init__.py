@@ -4,6 +4,7 @@
 - ``tools``: function calling: ``tools``/``tool_choice`` checked and rendered, calls parsed out
 - ``worker``: the one thread that owns the model, its FIFO queue and the admission limits
 - ``metrics``: ``/metrics`` through prometheus_client, one registry per server
+- ``scopes``: API keys, and whose earlier text (index, prefix cache) a request may reuse
 - ``reasoning``: the ``<think>`` split (pure text)
 - ``openai_format``: OpenAI's response, chunk and usage shapes
 - ``anthropic_format``: Anthropic's Messages API: its bodies in, its blocks and events out

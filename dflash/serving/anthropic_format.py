@@ -7,10 +7,12 @@ answer, split by the same ``AnswerSplitter``, is written as Anthropic's content 
 ``message_start``, per block ``content_block_start`` / ``content_block_delta`` /
 ``content_block_stop``, then ``message_delta`` (stop reason, output tokens) and ``message_stop``.
 
-Unknown top-level fields are rejected with a 400, as Anthropic's API does ("Extra inputs are not
-permitted"). Fields about accounting, routing or Anthropic's cache (``metadata``,
-``service_tier``, ``cache_control``, ``inference_geo``, ``speed``, ...) are accepted and ignored:
-they change nothing about the answer, and the server's prefix cache is automatic. What would change
+Unknown top-level fields are ignored and logged once per name (Claude Code sends the newest
+fields of Anthropic's API, ``context_management`` say, whatever the server), where Anthropic's own
+API would answer "Extra inputs are not permitted". Fields about accounting, routing or Anthropic's
+cache (``metadata``, ``service_tier``, ``cache_control``, ``inference_geo``, ``speed``, ...) are
+ignored without a word: they change nothing about the answer, and the server's prefix cache is
+automatic. A known field with a bad value is still a 400 naming it. What would change
 the answer and cannot be honoured is a 400: structured outputs (``output_config.format``), a final
 assistant message (prefill), non-text blocks (images, documents), server tools. The sampling fields
 of earlier API versions (``temperature`` in [0, 1], ``top_p``, ``top_k``) and the server's own
@@ -30,8 +32,10 @@ from .requests import (
     chat_request,
     check_model,
     generation_settings,
+    ignore_unknown,
+    parse_checked_tools,
 )
-from .tools import AnswerSplitter, parse_tools
+from .tools import AnswerSplitter
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
           "top_k", "stream", "tools", "tool_choice", "thinking", "output_config"}
@@ -136,7 +140,7 @@ def _tools(tools, tool_choice):
         else:
             raise _bad("tool_choice: {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
     try:
-        return parse_tools(converted, choice)
+        return parse_checked_tools(converted, choice)
     except APIError as e:  # name Anthropic's fields, not OpenAI's
         message = (e.message.replace(".function.parameters", ".input_schema")
                    .replace(".function.", ".").replace("tools[", "tools.").replace("]", "")
@@ -146,9 +150,7 @@ def _tools(tools, tool_choice):
 
 def parse_messages_request(body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one ``/v1/messages`` body."""
-    extra = sorted(set(body) - FIELDS - IGNORED - EXTENSIONS)
-    if extra:
-        raise _bad(f"{extra[0]}: Extra inputs are not permitted")
+    ignore_unknown(body, FIELDS | IGNORED | EXTENSIONS, "/v1/messages")
     for name in ("model", "messages", "max_tokens"):
         if name not in body:
             raise _bad(f"{name}: Field required")

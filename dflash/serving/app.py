@@ -1,10 +1,13 @@
 """The FastAPI app over the worker, SSE streaming, and the entry points ``create_server``/``run``.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, Anthropic's
-``POST /v1/messages`` (each streamed over SSE or not) and ``/v1/messages/count_tokens``,
+``POST /v1/messages``, OpenAI's Responses API ``POST /v1/responses`` (each streamed over SSE or
+not) and ``/v1/messages/count_tokens``,
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). Bad requests get
 an OpenAI-style ``{"error": {...}}`` body (Anthropic's shape on ``/v1/messages``) with a 4xx
-status; this is the one place that turns the
+status. With API keys (``--api-key``), every route but ``/health`` needs one (``Authorization:
+Bearer KEY`` or ``x-api-key: KEY``, as the OpenAI and Anthropic clients send them) and a request
+runs in its key's scope (:mod:`.scopes`: whose earlier text its index and prefix cache hold); this is the one place that turns the
 lower layers' exceptions (``QueueFull``, ``GenerationCancelled``, the engine's
 ``GenerationConfigError``) into HTTP statuses. A streaming client that disconnects cancels its
 generation at the next cycle and frees the worker.
@@ -17,6 +20,7 @@ FastAPI, uvicorn and prometheus_client are imported only when a server is built
 # (``request: Request``, imported inside ``build_app``) at runtime.
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections.abc import AsyncIterator
 
@@ -30,6 +34,7 @@ from ..errors import (
     QueueFull,
     ServerStartError,
 )
+from ..lookup import DEFAULT_BUDGET
 from ..pair import load_pair
 from ..speculative import DFlashResponse
 from ..stats import generation_stats
@@ -44,11 +49,26 @@ from .anthropic_format import (
 from .openai_format import StreamFormat, full_response, model_card
 from .reasoning import ThinkSplitter, think_tags
 from .requests import CompletionRequest, ServedModel, config_error, parse_request, read_json
+from .responses_format import (
+    ResponseStore,
+    ResponseStream,
+    parse_responses_request,
+    response_body,
+)
+from .scopes import LOCAL_HOSTS, APIKeys, Scopes
 from .tools import AnswerSplitter, ToolCallSplitter, tool_format
 from .worker import Job, Worker
 
 # Larger bodies get a 413 (no prompt that fits a context comes near it).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+OPEN_PATHS = ("/health",)
+SHARED = {"key": "index and prefix cache per API key",
+          "all": "index and prefix cache shared by all clients",
+          "none": "no index or prefix cache across requests"}  # answered without an API key
+# The scope (API key) of the request being handled: set by the key check around every route,
+# read where a generation is submitted, so that every endpoint runs in its caller's scope.
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("dflash_caller",
+                                                                    default=None)
 
 
 class Server:
@@ -56,8 +76,9 @@ class Server:
 
     def __init__(self, worker: Worker, model_name: str, max_context: int | None = None,
                  default_max_tokens: int = 512, block_size: int | None = None,
-                 reasoning: str = "auto"):
+                 reasoning: str = "auto", keys: APIKeys | None = None):
         self.worker = worker
+        self.keys = keys if keys is not None else APIKeys()
         self.pair = worker.pair
         self.tokenizer = self.pair.tokenizer
         self.created = int(time.time())
@@ -73,6 +94,9 @@ class Server:
                            queue_depth=lambda: worker.queue_depth, busy=lambda: worker.busy,
                            batch_size=lambda: worker.batch_size,
                            max_concurrency=worker.max_concurrency)
+        self.metrics.watch_index(lambda: worker.scopes.index_tokens,
+                                 lambda: len(worker.scopes.scopes()))
+        self.responses = ResponseStore()  # kept for previous_response_id
         self.app = build_app(self)
 
     @property
@@ -107,7 +131,8 @@ class Server:
 
     async def generate(self, req: CompletionRequest) -> AsyncIterator[tuple[Job, DFlashResponse]]:
         """The worker's ``(job, response)`` stream, its failures as ``APIError``s."""
-        stream = self.worker.stream(req.prompt_ids, req.settings.engine_kwargs())
+        stream = self.worker.stream(req.prompt_ids, req.settings.engine_kwargs(),
+                                    scope=CALLER.get())
         try:
             async for item in stream:
                 yield item
@@ -135,6 +160,8 @@ class Server:
 
     def stream_format(self, req: CompletionRequest):
         """The SSE writer of ``req``'s endpoint."""
+        if req.endpoint == "responses":
+            return ResponseStream(req, self.model_name, self.splitter(req), self.tokenizer)
         if req.endpoint == "messages":
             return MessageStream(self.model_name, self.splitter(req), self.tokenizer,
                                  req.settings.stop)
@@ -146,6 +173,9 @@ class Server:
                  job: Job) -> dict:
         """The body of a non-streamed answer of ``req``'s endpoint."""
         n_prompt, stats = len(req.prompt_ids), self.stats(last, job)
+        if req.endpoint == "responses":
+            return response_body(req, self.model_name, text, last, stats, self.splitter(req),
+                                 self.tokenizer)
         if req.endpoint == "messages":
             stop = matched_stop(self.tokenizer, tokens, req.settings.stop)
             return message_response(self.model_name, n_prompt, text, last, stats,
@@ -221,6 +251,7 @@ def build_app(server: Server):
     from .metrics import CONTENT_TYPE
 
     app = FastAPI(title="dflash", version=__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(KeyCheck, keys=server.keys)
 
     class CancellingStream(StreamingResponse):
         """A streaming response that closes its source however the response ends."""
@@ -244,6 +275,9 @@ def build_app(server: Server):
             body = read_json(await _read_body(request))
             if endpoint == "messages":
                 req = parse_messages_request(body, server.tokenizer, server.served)
+            elif endpoint == "responses":
+                req = parse_responses_request(body, server.tokenizer, server.served,
+                                              server.responses, CALLER.get() or "")
             else:
                 req = parse_request(endpoint, body, server.tokenizer, server.served)
             if req.stream:
@@ -310,6 +344,10 @@ def build_app(server: Server):
     async def completions(request: Request):
         return await answer(request, "completions")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await answer(request, "responses")
+
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await answer(request, "messages")
@@ -327,6 +365,41 @@ def build_app(server: Server):
         return {"input_tokens": len(req.prompt_ids)}
 
     return app
+
+
+class KeyCheck:
+    """ASGI middleware: a 401 (in the API's own error shape) for a request without a valid key,
+    on every path but :data:`OPEN_PATHS`; the others run with :data:`CALLER` set to their key's
+    scope name (the same one for everybody on a server without keys)."""
+
+    def __init__(self, app, keys: APIKeys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+        from starlette.datastructures import Headers
+
+        path = scope.get("path", "")
+        if path in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        sent = headers.get("authorization"), headers.get("x-api-key")
+        name = self.keys.check(*sent)
+        if name is None:
+            message = ("invalid API key" if any(sent) else "no API key: send `Authorization: "
+                       "Bearer KEY` or `x-api-key: KEY`")
+            e = APIError(401, message, type_="invalid_request_error", code="invalid_api_key")
+            body = error_body(e) if path.startswith("/v1/messages") else e.body()
+            response = JSONResponse(body, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        token = CALLER.set(name)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CALLER.reset(token)
 
 
 async def _read_body(request) -> bytes:
@@ -384,13 +457,18 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   default_max_tokens: int = 512, block_size: int | None = None,
                   max_queue: int = 64, max_concurrency: int | None = None,
                   reasoning: str = "auto", quiet: bool = False,
-                  pair_memory: str | None = None) -> Server:
+                  pair_memory: str | None = None, api_keys: list[str] | None = None,
+                  share: str = "key", index_budget: int = DEFAULT_BUDGET) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
     ``pair_memory``: the file the pair's policy memory is read from and saved to (``None``: kept
-    in the server's process only).
+    in the server's process only); ``api_keys``: the keys every route but ``/health`` needs
+    (``None``: anyone may use it, as one tenant); ``share``: who shares a continuation index
+    and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
+    (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds.
     """
+    keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -403,10 +481,18 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     worker = Worker(lambda: load_pair(model, draft, log=None if quiet else log), Metrics(),
                     max_queue=max_queue, max_concurrency=max_concurrency,
                     max_context=max_context, block_size=block_size,
-                    pair_memory=pair_memory).start()
+                    pair_memory=pair_memory, scopes=scopes).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
-                  reasoning=reasoning)
+                  reasoning=reasoning, keys=keys)
+
+
+def open_warning(host: str, keys: APIKeys) -> str | None:
+    """What to say when a server without keys listens beyond this machine (``None``: nothing)."""
+    if keys or host in LOCAL_HOSTS:
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who reaches the port "
+            "can use the model (give keys with --api-key or --api-keys-file)")
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
@@ -417,7 +503,12 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
     log(f"serving `{server.model_name}` at http://{host}:{port}/v1 "
         f"(max context {server.max_context}, max concurrency {server.worker.max_concurrency}, "
         f"queue {server.worker.max_queue}, reasoning split "
-        f"{'on' if server.think_tags else 'off'}); Ctrl-C stops")
+        f"{'on' if server.think_tags else 'off'}, {len(server.keys) or 'no'} API "
+        f"key{'' if len(server.keys) == 1 else 's'}, {SHARED[server.worker.scopes.share]}); "
+        "Ctrl-C stops")
+    warning = open_warning(host, server.keys)
+    if warning:
+        log(warning)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5,
                             access_log=log_level in ("info", "debug"))

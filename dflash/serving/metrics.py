@@ -77,6 +77,13 @@ class Metrics:
         Gauge("dflash_max_concurrency", "Sequences the server admits to decode together.",
               registry=self.registry).set(max_concurrency)
 
+    def watch_index(self, tokens: Callable[[], int], scopes: Callable[[], int]) -> None:
+        """Export the continuation indexes' size (all scopes together), read at each scrape."""
+        Gauge("dflash_index_tokens", "Tokens held by the continuation indexes of all scopes.",
+              registry=self.registry).set_function(tokens)
+        Gauge("dflash_index_scopes", "Scopes (API keys, or one shared) with an index.",
+              registry=self.registry).set_function(scopes)
+
     def request(self, endpoint: str, status: str) -> None:
         with self.lock:
             key = (endpoint, status)

@@ -3,7 +3,13 @@
 
 This layer checks what is HTTP's or OpenAI's own: the JSON shape of each field, the model name,
 the prompt against the context length, and the API's documented limits (``temperature <= 2``,
-penalties in [-2, 2], ``max_tokens >= 1``, at most 16 stop strings). The ranges of the sampling
+penalties in [-2, 2], ``max_tokens >= 1``, at most 16 stop strings). A ``max_tokens`` beyond the
+room the prompt leaves in the context is clamped to that room (the answer then ends with
+``length``), as llama.cpp and Ollama do: agent clients send their own large default (Claude Code
+32,000) whatever the model. Fields this server does not implement are ignored and logged once per
+name (clients send their vendor's newest fields: ``context_management``, ``reasoning_effort``),
+while a known field with a bad value is a 400 naming it. Tool definitions must be JSON Schema
+(checked with ``jsonschema`` where it is installed). The ranges of the sampling
 and decoding settings (``block_size``, ``min_confidence``, ``policy``) are checked by the engine's
 own rules (``SamplingConfig.validate``, ``check_decode_settings``, ``check_policy``) here, so a bad
 request gets its 400 before it queues. Every rejection is an ``APIError`` naming the parameter at fault.
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..console import say_once
 from ..errors import APIError, GenerationConfigError
 from ..policy import check_policy
 from ..prompts import encode_prompt, encode_text
@@ -30,6 +37,21 @@ MAX_STOP_STRINGS = 16
 UNSUPPORTED = {"logprobs": lambda v: bool(v), "top_logprobs": lambda v: bool(v),
                "echo": lambda v: v is True, "best_of": lambda v: v not in (None, 1),
                "suffix": lambda v: bool(v)}
+# The server's own settings, accepted on every endpoint (``extra_body`` in the OpenAI client).
+EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "proposal", "block_size", "policy",
+                        "tree_budget", "min_confidence", "lookup"})
+# What the OpenAI endpoints read (the settings, then each endpoint's own fields).
+SETTINGS_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n", "stop",
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "logit_bias",
+    *UNSUPPORTED}) | EXTENSIONS
+OPENAI_FIELDS = {
+    "chat": SETTINGS_FIELDS | {"messages", "tools", "tool_choice", "chat_template_kwargs",
+                               "enable_thinking", "reasoning_effort"},
+    "completions": SETTINGS_FIELDS | {"prompt"}}
+# About accounting, storage or routing on OpenAI's side: nothing to change here, nothing to log.
+OPENAI_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                            "safety_identifier", "parallel_tool_calls"})
 
 
 @dataclass
@@ -116,14 +138,46 @@ def config_error(e: Exception) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def ignore_unknown(body: dict, known, api: str) -> None:
+    """Log (once per field name) the fields of ``body`` outside ``known``: they are ignored."""
+    for name in sorted(set(body) - set(known)):
+        say_once(f"request field {name}", f"ignoring the request field `{name}` ({api}): not "
+                 "implemented by this server (said once per field)")
+
+
+def parse_checked_tools(tools, tool_choice) -> ToolSpec | None:
+    """``parse_tools``, and each tool's ``parameters`` checked as JSON Schema (draft 2020-12,
+    with ``jsonschema`` where it is installed): a 400 naming the tool."""
+    spec = parse_tools(tools, tool_choice)
+    if spec is None:
+        return None
+    try:
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+    except ImportError:  # the serve extra installs it; without it the shape checks stand alone
+        return spec
+    for i, tool in enumerate(spec.tools):
+        fn = tool["function"]
+        try:
+            Draft202012Validator.check_schema(fn["parameters"])
+        except SchemaError as e:
+            at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
+            param = f"tools[{i}].function.parameters"
+            raise APIError(400, f"{param}{at}: tool {fn['name']!r}: not a valid JSON Schema "
+                           f"({e.message})", param=param, code="invalid_value") from None
+    return spec
+
+
 def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one request body of ``endpoint`` ("chat" or "completions")."""
+    ignore_unknown(body, OPENAI_FIELDS[endpoint] | OPENAI_IGNORED,
+                   "/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
     check_model(body, served)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
     if endpoint == "chat":
-        spec = parse_tools(body.get("tools"), body.get("tool_choice"))
+        spec = parse_checked_tools(body.get("tools"), body.get("tool_choice"))
         req = chat_request(chat_messages(body), spec, template_kwargs(body), tokenizer, served)
         req.settings = generation_settings(body, served, len(req.prompt_ids), "messages")
         req.stream, req.include_usage = stream, include_usage
@@ -192,7 +246,6 @@ def generation_settings(body: dict, served: ServedModel, n_prompt: int,
                         param: str) -> GenerationSettings:
     """The settings of a request whose prompt has ``n_prompt`` tokens (``param`` holds it)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    explicit = max_tokens is not None
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", served.default_max_tokens,
                          integer=True)
     if max_tokens < 1:
@@ -209,13 +262,8 @@ def generation_settings(body: dict, served: ServedModel, n_prompt: int,
             raise APIError(400, f"This model's maximum context length is "
                            f"{served.max_context} tokens, but the prompt has {n_prompt} tokens",
                            param=param, code="context_length_exceeded")
-        room = served.max_context - n_prompt
-        if explicit and max_tokens > room:
-            raise APIError(400, f"This model's maximum context length is "
-                           f"{served.max_context} tokens; the prompt has {n_prompt} tokens "
-                           f"and max_tokens={max_tokens} asks for {n_prompt + max_tokens}",
-                           param="max_tokens", code="context_length_exceeded")
-        max_tokens = min(max_tokens, room)
+        # Beyond the room left: the answer ends with "length" where the context is full.
+        max_tokens = min(max_tokens, served.max_context - n_prompt)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

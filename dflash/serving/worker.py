@@ -1,7 +1,7 @@
 """The generation worker: one thread owns the model and runs every generation.
 
-MLX state (the model, its caches, the shared prompt cache) belongs to a single thread, so no two
-generations ever share it; the event loop talks to that thread only through each job's asyncio
+MLX state (the model, its caches, the scopes' prompt caches) belongs to a single thread, so no
+two generations ever share it; the event loop talks to that thread only through each job's asyncio
 queue. A job whose client left is stopped at its next cycle, or skipped if it is still queued.
 Admission is first in, first out; ``max_queue`` jobs may wait, beyond that ``submit`` raises
 ``QueueFull``.
@@ -33,9 +33,9 @@ from ..backend import compute_dtype, release_thread_streams
 from ..batch import ENGINE_SETTINGS, BatchEvent, BatchGenerator
 from ..errors import GenerationCancelled, QueueFull
 from ..policy.memory import PairMemory
-from ..prompt_cache import PromptCache
 from ..speculative import DFlashResponse, stream_generate
 from ..target import target_parts
+from .scopes import Scope, Scopes
 
 MAX_DEFAULT_CONCURRENCY = 16
 KV_MEMORY_SHARE = 0.5  # of the memory the weights leave free
@@ -94,6 +94,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
+    scope: Scope | None = None  # whose index and prefix cache it reads and adds to
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None  # when the first generated token was ready
@@ -119,7 +120,8 @@ class Worker:
 
     def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64,
                  max_concurrency: int | None = 1, max_context: int | None = None,
-                 block_size: int | None = None, pair_memory: str | None = None):
+                 block_size: int | None = None, pair_memory: str | None = None,
+                 scopes: Scopes | None = None):
         self.loader = loader
         self.metrics = metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: admission in arrival order
@@ -129,6 +131,8 @@ class Worker:
         self.block_size = block_size  # the served block size (None: the drafter's)
         self.pair_memory = pair_memory  # the file the pair's memory is kept in (None: none)
         self.memory: PairMemory | None = None  # the loaded pair's, shared by every request
+        # The index and prefix cache of each scope (one for everyone unless told otherwise).
+        self.scopes = scopes if scopes is not None else Scopes("all")
         self.pair = None
         self.current: Job | None = None
         self.running: dict[int, Job] = {}  # batched jobs by engine uid
@@ -190,10 +194,12 @@ class Worker:
             raise QueueFull(f"{self.jobs.qsize()} requests are already waiting; retry later")
         self.jobs.put(job)
 
-    async def stream(self, prompt_ids: list[int],
-                     kwargs: dict) -> AsyncIterator[tuple[Job, DFlashResponse]]:
-        """Submit a job; yield ``(job, response)`` per cycle. Closing the iterator cancels it."""
-        job = Job(prompt_ids, kwargs, asyncio.get_running_loop(), asyncio.Queue())
+    async def stream(self, prompt_ids: list[int], kwargs: dict,
+                     scope: str | None = None) -> AsyncIterator[tuple[Job, DFlashResponse]]:
+        """Submit a job in ``scope`` (a key's name, see :class:`Scopes`); yield
+        ``(job, response)`` per cycle. Closing the iterator cancels it."""
+        job = Job(prompt_ids, kwargs, asyncio.get_running_loop(), asyncio.Queue(),
+                  scope=self.scopes.get(scope))
         self.submit(job)
         try:
             while True:
@@ -230,9 +236,8 @@ class Worker:
         self.memory = PairMemory(rows) if self.pair_memory is None else \
             PairMemory.open(self.pair_memory, rows)
         self._ready.set()
-        # One worker serves every request, so one cache: shared prefixes (system prompts,
-        # earlier turns) are not prefilled again.
-        prompt_cache = PromptCache()
+        # Shared prefixes (system prompts, earlier turns) are not prefilled again: each job
+        # brings its scope's prefix cache (none with --share none).
         batch: BatchGenerator | None = None
         solo: Job | None = None  # a job waiting for the batch to drain, to run alone
 
@@ -241,8 +246,7 @@ class Worker:
                 if batch is None:
                     batch = BatchGenerator(self.pair.model, self.pair.draft, self.pair.tokenizer,
                                            max_batch=self.max_concurrency,
-                                           block_size=self.block_size, prompt_cache=prompt_cache,
-                                           memory=self.memory)
+                                           block_size=self.block_size, memory=self.memory)
                 if solo is None:
                     solo = self._admit(batch)
                     if solo is False:  # shutting down
@@ -251,7 +255,7 @@ class Worker:
                 if self.running:
                     if not self._batch_step(batch):
                         batch = None  # its caches may be mid-update: start a fresh one
-                        prompt_cache.clear()
+                        self.scopes.clear_prompt_caches()
                     continue
                 if solo is None:
                     continue
@@ -263,7 +267,7 @@ class Worker:
                 self.metrics.cancelled_generation()
                 job.emit("cancelled")
                 continue
-            self._run_alone(job, prompt_cache)
+            self._run_alone(job)
 
     def _drop_running(self) -> None:
         for job in self.running.values():
@@ -296,8 +300,9 @@ class Worker:
             if not self._batchable(job, batch):
                 return job
             try:
-                uid = batch.insert(job.prompt_ids, **{k: v for k, v in job.kwargs.items()
-                                                      if k not in ENGINE_SETTINGS})
+                uid = batch.insert(job.prompt_ids, **_scoped(job),
+                                   **{k: v for k, v in job.kwargs.items()
+                                      if k not in ENGINE_SETTINGS})
             except Exception as e:  # a bad request: reported to its client only
                 job.emit("error", e)
                 continue
@@ -340,14 +345,14 @@ class Worker:
             job.emit("done")
             self.metrics.generation(last, **job_timing(job, last))
 
-    def _run_alone(self, job: Job, prompt_cache: PromptCache) -> None:
+    def _run_alone(self, job: Job) -> None:
         """The single-sequence engine for one job."""
         self.current = job
         job.started = time.perf_counter()
         last = None
         try:
             gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
-                                  job.prompt_ids, prompt_cache=prompt_cache, memory=self.memory,
+                                  job.prompt_ids, memory=self.memory, **_scoped(job),
                                   **job.kwargs)
             for r in gen:
                 last = r
@@ -370,6 +375,13 @@ class Worker:
             if last is not None:
                 self.metrics.generation(last, **job_timing(job, last))
             self.current = None
+
+
+def _scoped(job: Job) -> dict:
+    """The engine's arguments for the job's scope: its index and its prefix cache."""
+    scope = job.scope
+    return {"index": None if scope is None else scope.index,
+            "prompt_cache": None if scope is None else scope.prompt_cache}
 
 
 def job_timing(job: Job, last: DFlashResponse) -> dict:

@@ -1,0 +1,145 @@
+"""API keys, and who may benefit from whose text: the scopes of the state requests leave behind.
+
+Why: two pieces of server state carry text from one request to the next, the continuation index
+(:class:`~dflash.lookup.ContinuationIndex`: earlier prompts and answers, verified as proposals)
+and the prefix cache (:class:`~dflash.prompt_cache.PromptCache`: the caches of the last prompt).
+Both make a request faster when its text was seen before, so the speed of an answer (cycles, time
+to first token) would tell a client whether a guessed text was sent or generated for someone else.
+Each API key therefore gets its own index and prefix cache unless the operator says otherwise
+(``--share``): ``key`` (the default) one per key, ``all`` one for everyone (a single-user
+machine), ``none`` no index and no prefix cache reuse across requests. Without API keys the server
+has one tenant: everyone is the same scope.
+
+Keys are compared in constant time against every configured key (``hmac.compare_digest``), so the
+time a rejection takes does not say how much of a guessed key was right.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ServerConfigError
+from ..lookup import DEFAULT_BUDGET, ContinuationIndex
+from ..prompt_cache import PromptCache
+
+SHARE_MODES = ("key", "all", "none")
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+ANONYMOUS = "-"  # the scope of a server without keys
+
+
+def read_keys_file(path: str | Path) -> list[str]:
+    """The keys in ``path``: one per line; blank lines and ``#`` comments are skipped.
+
+    A missing, unreadable or keyless file is a :class:`ServerConfigError` naming it (a server
+    that was meant to require keys must not start open)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ServerConfigError(f"--api-keys-file {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ServerConfigError(f"--api-keys-file {p}: cannot be read ({e})") from None
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise ServerConfigError(f"--api-keys-file {p}: holds no key (one per line; blank lines "
+                                "and # comments are skipped)")
+    return keys
+
+
+class APIKeys:
+    """The keys a server accepts; :meth:`check` names the scope of a request's credentials."""
+
+    def __init__(self, keys: list[str] | None = None):
+        unique: list[str] = []
+        for k in keys or ():
+            if not isinstance(k, str) or not k.strip() or any(c.isspace() for c in k.strip()):
+                raise ServerConfigError(f"--api-key {k!r}: a non-empty key without spaces")
+            if k.strip() not in unique:
+                unique.append(k.strip())
+        self._keys = [k.encode() for k in unique]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def check(self, authorization: str | None, x_api_key: str | None) -> str | None:
+        """The scope name of the key sent as ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
+        (:data:`ANONYMOUS` on a server without keys); ``None``: no key or a wrong one."""
+        if not self._keys:
+            return ANONYMOUS
+        sent = []
+        if authorization:
+            scheme, _, value = authorization.strip().partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                sent.append(value.strip())
+        if x_api_key and x_api_key.strip():
+            sent.append(x_api_key.strip())
+        found = None
+        for candidate in sent:
+            given = candidate.encode()
+            for i, key in enumerate(self._keys):  # every key, whatever matched before
+                if hmac.compare_digest(given, key) and found is None:
+                    found = f"key-{i}"
+        return found
+
+
+@dataclass
+class Scope:
+    """The cross-request state one scope's requests share (``None``: not kept)."""
+
+    name: str
+    index: ContinuationIndex | None
+    prompt_cache: PromptCache | None
+
+
+class Scopes:
+    """The scopes of a server, made on first use: ``share`` says whose requests share one."""
+
+    def __init__(self, share: str = "key", index_budget: int = DEFAULT_BUDGET):
+        if share not in SHARE_MODES:
+            raise ServerConfigError(f"--share {share!r}: one of {', '.join(SHARE_MODES)}")
+        if isinstance(index_budget, bool) or not isinstance(index_budget, int) \
+                or index_budget <= 0:
+            raise ServerConfigError(
+                f"--index-budget {index_budget!r}: must be a positive number of tokens")
+        self.share, self.index_budget = share, index_budget
+        self._scopes: dict[str, Scope] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str | None) -> Scope:
+        """The scope of a request made with the key named ``key`` (see :meth:`APIKeys.check`)."""
+        if self.share == "none":
+            return Scope("none", None, None)
+        name = "all" if self.share == "all" else (key or ANONYMOUS)
+        with self._lock:
+            scope = self._scopes.get(name)
+            if scope is None:
+                scope = self._scopes[name] = Scope(
+                    name, ContinuationIndex(self.index_budget), PromptCache())
+            return scope
+
+    def scopes(self) -> list[Scope]:
+        with self._lock:
+            return list(self._scopes.values())
+
+    def clear_prompt_caches(self) -> None:
+        """Forget every scope's prefix cache (after a failed batch: its caches may be
+        mid-update). Called from the worker thread, the only one that uses them."""
+        for scope in self.scopes():
+            if scope.prompt_cache is not None:
+                scope.prompt_cache.clear()
+
+    @property
+    def index_tokens(self) -> int:
+        """Tokens held by all the scopes' continuation indexes."""
+        return sum(s.index.tokens for s in self.scopes() if s.index is not None)
+
+    @property
+    def index_bytes(self) -> int:
+        return sum(s.index.nbytes for s in self.scopes() if s.index is not None)
