@@ -365,3 +365,41 @@ def test_names_and_capabilities():
         make_policy("tree", 16, FLAT, trees=False)
     assert make_policy("auto", 16, FLAT, trees=True).candidates == 24  # up to the costs' 31
     assert make_policy("auto", 16, FLAT, trees=True, tree_budget=6).candidates == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuations scaled by their match
+
+MODERATE = Costs(base=10.0, per_row=0.6)  # a row costs 6 % of a step: long chains must earn it
+
+
+@pytest.mark.parametrize("longer,shorter", [(40, 2), (16, 4), (8, 3)])
+def test_a_longer_match_earns_a_longer_chain(longer, shorter):
+    tokens = tuple(range(100, 163))
+    rows = {}
+    for match in (longer, shorter):
+        policy = auto(MODERATE, losses=1)  # a probe: the continuation goes first
+        plan = policy.before_draft(128, MAX_BACKOFF, Match(tokens, match))
+        assert isinstance(plan, Continuation) and plan.match == match
+        rows[match] = plan.rows
+    assert rows[longer] > rows[shorter]
+
+
+def test_agreeing_occurrences_earn_a_longer_chain_and_verified_rows_teach_their_class():
+    tokens = tuple(range(100, 163))
+    once = auto(MODERATE, losses=1).before_draft(128, MAX_BACKOFF, Match(tokens, 4, 1, "index"))
+    often = auto(MODERATE, losses=1).before_draft(128, MAX_BACKOFF, Match(tokens, 4, 5, "index"))
+    assert often.rows > once.rows and often.source == "index"
+    # A class whose chains keep failing early gets short chains; another class is untouched.
+    policy = auto(MODERATE, losses=1)
+    for _ in range(20):
+        policy.observe(Outcome(Continuation(tokens[:30], 20), 1, context=128))
+    assert policy.before_draft(128, MAX_BACKOFF, Match(tokens, 20)).rows < 8
+    assert policy.before_draft(128, MAX_BACKOFF, Match(tokens, 5)).rows == once.rows
+
+
+def test_index_chains_are_counted_apart_from_the_sequences_own():
+    policy = auto()
+    policy.observe(Outcome(Continuation((1, 2), 2), 2, context=128))
+    policy.observe(Outcome(Continuation((1, 2), 9, 1, "index"), 2, context=128))
+    assert policy.stats.lookup_cycles == 2 and policy.stats.index_cycles == 1
