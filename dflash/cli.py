@@ -313,10 +313,14 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 def cmd_chat(args: argparse.Namespace) -> int:
     pair = load_pair(args.model, args.draft, log=log)
+    from .lookup import ContinuationIndex
     from .prompt_cache import PromptCache
     from .speculative import stream_generate
 
     prompt_cache = PromptCache()  # later turns prefill only what the conversation added
+    # What earlier turns wrote, proposed again where a turn repeats it (kept across /reset: a
+    # question asked again is answered at the speed of verifying its earlier answer).
+    index = ContinuationIndex()
     interactive = sys.stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):
@@ -366,7 +370,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             for r in stream_generate(
                     pair.model, pair.draft, pair.tokenizer, ids, prompt_cache=prompt_cache,
-                    prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
+                    index=index, prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
                     **kwargs):
                 answer.append(r.text)
                 last = r
