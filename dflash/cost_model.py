@@ -54,7 +54,7 @@ LEARNED_FORMAT = "dflash-learned-cost/1"
 KINDS = ("verify", "step", "draft")
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_ROWS = (2, 4, 8, 16)
-CONTEXTS = (128, 1024)
+CONTEXTS = (128, 1024, 4096)  # those the target reads (long contexts: attention grows)
 PIPELINED_STEPS = 8  # plain steps per pipelined timing (the first pass is not hidden)
 MAX_AGE_DAYS = 30  # drivers, thermals and background load change: re-measure now and then
 
@@ -94,6 +94,9 @@ class CostModel:
     measured_at: str = ""
     format: str = FORMAT
     step_ms: list[float] = field(default_factory=list)  # [context index]; empty: verify(1)
+    # [context index][draft rows index]: the drafter attends to the whole context (unless
+    # windowed), so its pass grows with it too; empty: ``draft_ms`` at every context.
+    draft_ms_at: list[list[float]] = field(default_factory=list)
 
     def verify(self, rows: int, context: int = 256) -> float:
         """Milliseconds of one target pass over ``rows`` tokens after ``context`` cached ones."""
@@ -107,9 +110,15 @@ class CostModel:
             return lone
         return max(1e-3, min(lone, _interp(context, self.contexts, self.step_ms)))
 
-    def draft(self, rows: int) -> float:
-        """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
-        return 0.0 if rows <= 1 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
+    def draft(self, rows: int, context: int = 256) -> float:
+        """Milliseconds of one drafter block pass of ``rows`` rows after ``context`` tokens of
+        target context (0 for no drafting)."""
+        if rows <= 1:
+            return 0.0
+        if len(self.draft_ms_at) != len(self.contexts):
+            return max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
+        per_context = [_interp(rows, self.draft_rows, ms) for ms in self.draft_ms_at]
+        return max(0.0, _interp(context, self.contexts, per_context))
 
     @property
     def epoch(self) -> int:
@@ -206,7 +215,7 @@ class PassCosts:
             raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
         if not (rows >= 1 and math.isfinite(seconds) and seconds > 0):
             return
-        bucket = 0 if kind == "draft" else context_bucket(context)
+        bucket = context_bucket(context)
         with self._lock:
             group = self.samples.get((kind, int(rows), bucket))
             if group is None:
@@ -279,14 +288,14 @@ class PassCosts:
         self._curve = (groups, context, curve)
         return curve
 
-    def learned_draft(self, rows: int) -> float:
-        """A drafter block pass of ``rows`` rows as learnt (0 for no drafting); one not yet timed
-        is priced like a target pass over as many rows."""
+    def learned_draft(self, rows: int, context: int = 256) -> float:
+        """A drafter block pass of ``rows`` rows after ``context`` tokens as learnt (0 for no
+        drafting); one not yet timed is priced like a target pass over as many rows."""
         if rows <= 1:
             return 0.0
-        points = {r: min(ms for _, ms in pts) for r, pts in self._groups()["draft"].items()}
+        points = {r: along_context(pts, context) for r, pts in self._groups()["draft"].items()}
         if not points:
-            return self.learned_verify(rows)
+            return self.learned_verify(rows, context)
         if len(points) == 1:  # one block length timed: proportional to rows beyond it
             (r, ms), = points.items()
             return ms if rows <= r else ms * rows / r
@@ -306,11 +315,12 @@ class PassCosts:
             return self.calibrated.step(context, pipelined)
         return self.learned_step(context, pipelined)
 
-    def draft(self, rows: int) -> float:
-        """Milliseconds of one drafter block pass of ``rows`` rows (0 for no drafting)."""
+    def draft(self, rows: int, context: int = 256) -> float:
+        """Milliseconds of one drafter block pass of ``rows`` rows after ``context`` tokens (0
+        for no drafting)."""
         if self.calibrated is not None:
-            return self.calibrated.draft(rows)
-        return self.learned_draft(rows)
+            return self.calibrated.draft(rows, context)
+        return self.learned_draft(rows, context)
 
     @property
     def rows(self) -> list[int]:
@@ -467,7 +477,10 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
         log(f"measuring this machine's verify and draft costs ({len(rows) * len(contexts)} "
             "target shapes, once; cached) ...")
     tic = time.perf_counter()
-    verify_ms, step_ms = [], []
+    most = max(rows) + PIPELINED_STEPS
+    limit = max_positions(parts)
+    contexts = [c for c in contexts if limit is None or c + most <= limit] or [min(contexts)]
+    verify_ms, step_ms, draft_at = [], [], []
     for context in contexts:
         cache = make_cache(parts)
         prompt = (mx.arange(context) % max(2, parts.vocab_size - 1))[None] + 1
@@ -501,24 +514,35 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
         *timed, plain = _fastest_ms(passes + [plain_steps], rounds)
         verify_ms.append(_monotone(timed))
         step_ms.append(plain / PIPELINED_STEPS)
-    dcache = draft.make_cache()
-    draft.append_context(taps, dcache)
-    mx.eval([c.state for c in dcache])
-    # The pass the engines run: scores over the draft vocabulary (block_logits' full-vocabulary
-    # rows of -inf are read by neither engine; with the built-in drafter they cost 10-20 % more).
-    draft_ms = _monotone(_fastest_ms(
-        [lambda n=n: mx.eval(draft.block_scores(parts, 1, n, dcache)[0]) for n in draft_rows],
-        rounds))
+        dcache = draft.make_cache()
+        draft.append_context(taps, dcache)
+        mx.eval([c.state for c in dcache])
+        # The pass the engines run: scores over the draft vocabulary (block_logits'
+        # full-vocabulary rows of -inf are read by neither engine; with the built-in drafter
+        # they cost 10-20 % more).
+        draft_at.append(_monotone(_fastest_ms(
+            [lambda n=n, d=dcache: mx.eval(draft.block_scores(parts, 1, n, d)[0])
+             for n in draft_rows], rounds)))
     model = CostModel(key=cost_key(parts, draft), machine=machine_id(), rows=list(rows),
                       contexts=list(contexts), verify_ms=verify_ms, draft_rows=list(draft_rows),
-                      draft_ms=draft_ms, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                      step_ms=step_ms)
+                      draft_ms=draft_at[0], measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      step_ms=step_ms, draft_ms_at=draft_at)
     if not quiet:
         log(f"measured in {time.perf_counter() - tic:.1f} s: verify 1 row "
             f"{model.verify(1):.1f} ms (pipelined step {model.step():.1f} ms), 16 rows "
             f"{model.verify(16):.1f} ms; draft 16 rows "
             f"{model.draft(16):.1f} ms")
     return model
+
+
+def max_positions(parts) -> int | None:
+    """The positions the target reads (``max_position_embeddings``), if its config says."""
+    args = getattr(parts.model, "args", None)
+    value = getattr(args, "max_position_embeddings", None)
+    if value is None:
+        text = getattr(args, "text_config", None)
+        value = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    return int(value) if value else None
 
 
 def calibration_dir() -> Path:
@@ -645,8 +669,10 @@ def format_table(model: CostModel) -> str:
         lines += ["", "plain step, pipelined as greedy decoding takes it: " + ", ".join(
             f"{ms:.2f} ms @{c} ({ms / model.verify(1, c):.2f} of a lone 1-row pass)"
             for c, ms in zip(model.contexts, model.step_ms))]
-    lines += ["", "draft: one drafter block pass", "block_rows          ms"]
-    lines += [f"{n:>10} {ms:>11.2f}" for n, ms in zip(model.draft_rows, model.draft_ms)]
+    lines += ["", "draft: one drafter block pass (ms after CONTEXT tokens)",
+              "block_rows" + "".join(f"{'@' + str(c):>12}" for c in model.contexts)]
+    lines += [f"{n:>10}" + "".join(f"{model.draft(n, c):>12.2f}" for c in model.contexts)
+              for n in model.draft_rows]
     return "\n".join(lines)
 
 

@@ -125,6 +125,23 @@ def test_calibration_times_the_pipelined_plain_step(qwen3, home):
     assert priced.source() == "calibrated" and priced.verify(4, 300) == cost.verify(4, 300)
 
 
+def test_calibration_measures_every_context_the_target_reads_drafts_included(qwen3, home):
+    """Long contexts cost more per pass (attention): the table covers the contexts the target
+    reads, the drafter's pass at each of them, and none past the target's positions."""
+    model, _, draft, _, _ = qwen3
+    cost = _calibrate(qwen3)
+    limit = costs.max_positions(target_parts(model))
+    expected = [c for c in costs.CONTEXTS if limit is None or c + max(costs.ROWS) + 8 <= limit]
+    assert cost.contexts == expected and len(cost.draft_ms_at) == len(expected)
+    for c, row in zip(cost.contexts, cost.draft_ms_at):
+        assert cost.draft(16, c) == pytest.approx(row[cost.draft_rows.index(16)])
+    assert cost.draft(1, 4096) == 0.0
+    assert "ms after CONTEXT tokens" in costs.format_table(cost)
+    small = costs.measure(target_parts(model), draft, rows=(1, 4), contexts=(16, 10**9),
+                          draft_rows=(2, 4), rounds=1, quiet=True)
+    assert small.contexts == [16]  # a context past the target's positions is not measured
+
+
 @pytest.mark.slow
 def test_calibration_in_an_older_format_is_ignored_and_measured_again(qwen3, home, capsys):
     path = _cache_file(qwen3)

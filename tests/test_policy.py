@@ -55,7 +55,7 @@ class Costs:
         lone = self.verify(1, context)
         return min(lone, self.step_ms) if pipelined and self.step_ms is not None else lone
 
-    def draft(self, rows: int) -> float:
+    def draft(self, rows: int, context: int = 256) -> float:
         return 0.0 if rows <= 1 else self.draft_ms
 
 

@@ -110,7 +110,7 @@ class AutoPolicy(Policy):
     def _best_drafted_rate(self) -> float:
         """Tokens per ms of a drafted block whose every row is accepted: what no drafter beats."""
         rows = np.arange(1, self.calibration.drafter.rows + 1)
-        return float(max((k + 1) / (self.cost.draft(k + 1) + ms)
+        return float(max((k + 1) / (self.cost.draft(k + 1, self.context) + ms)
                          for k, ms in zip(rows, self._chain_ms())))
 
     def _lookup_values(self, match: Match, draft_ms: float) -> np.ndarray:
@@ -144,7 +144,7 @@ class AutoPolicy(Policy):
         log_probs, ids = candidates
         rows = len(log_probs)
         p = self.predict(np.exp(log_probs[:, 0].astype(np.float64)))
-        draft_ms = self.cost.draft(draft_rows)
+        draft_ms = self.cost.draft(draft_rows, self.context)
         chain = expected_tokens(p)[1:] / np.array(
             [draft_ms + self.cost.verify(k + 1, self.context) for k in range(1, rows + 1)])
         best: Plan = Chain(int(np.argmax(chain)) + 1)
@@ -197,7 +197,7 @@ class AutoPolicy(Policy):
                 self.depths.append(self.calibration.learn(outcome))
                 if not outcome.shared and self.expected is not None:
                     judged = True
-                    cycle_ms = self.cost.draft(outcome.draft_rows) + \
+                    cycle_ms = self.cost.draft(outcome.draft_rows, self.context) + \
                         self.cost.verify(plan.rows + 1, self.context)
                     rate = judged_rate(self.expected, (outcome.accepted + 1) / cycle_ms)
                     self.backoff.judge(rate, MARGIN / self._plain_ms(),

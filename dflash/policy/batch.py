@@ -74,7 +74,7 @@ class BatchPolicy:
             return True
         drafted = self.draft_rows(cap)
         width, rate = batch_width([policy.predict(conf) for policy, conf in rows], self.cost,
-                                  context, self.cost.draft(len(rows) * drafted))
+                                  context, self.cost.draft(len(rows) * drafted, context))
         if any(lp is not None for lp in looked):
             _, look_rate = batch_width(_none_empty(looked), self.cost, context, 0.0)
             if look_rate >= rate:
@@ -118,7 +118,7 @@ class BatchPolicy:
         if width <= 1 or not drafted_rows:
             return
         b = len(rows)
-        ms = self.cost.draft(b * drafted_rows) + self.cost.verify(b * width, context)
+        ms = self.cost.draft(b * drafted_rows, context) + self.cost.verify(b * width, context)
         expect = [lp if u else policy.predict(conf)
                   for (policy, conf), u, lp in zip(rows, use_look, looked)]
         expected = sum(expected_tokens(p)[min(width - 1, len(p))] for p in expect)

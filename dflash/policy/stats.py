@@ -18,7 +18,7 @@ def price(outcome: Outcome, cost: CostModel, pipelined: bool) -> float:
     plan, context = outcome.plan, outcome.context
     if isinstance(plan, Plain):
         return cost.step(context, pipelined) * plan.steps
-    ms = cost.draft(outcome.draft_rows) if outcome.draft_rows else 0.0
+    ms = cost.draft(outcome.draft_rows, context) if outcome.draft_rows else 0.0
     if not isinstance(plan, Unverified):
         ms += cost.verify(plan.rows + 1, context)
     return ms
