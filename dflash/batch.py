@@ -269,6 +269,11 @@ class BatchGenerator:
                                 block_size=self.block_size, policy=self.policy,
                                 prefill_step_size=self.prefill_chunk, memory=self.memory,
                                 **settings)
+        if request.kv is not None and self.fallback is None:
+            raise GenerationConfigError(
+                f"kv_bits={request.kv.bits}: the batched engine (max_batch={self.max_batch}) keeps "
+                "float caches; quantized KV caches decode one sequence at a time (max_batch=1, "
+                "the server's max_concurrency=1)")
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
         state = None if self.fallback else \
             new_state(self.parts, self.draft, request, None, None, self.cost)

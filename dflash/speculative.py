@@ -39,12 +39,14 @@ from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
 from .target import (
+    KVQuantization,
     TargetParts,
     VerifyTrace,
     check_compatible,
     commit_tree_path,
     forward,
     make_cache,
+    prefill_calls,
     rollback,
     target_parts,
     tree_forward,
@@ -201,6 +203,9 @@ def build_request(
     lookup: bool = True,
     memory: PairMemory | None = None,
     index: ContinuationIndex | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
 ) -> DecodeRequest:
     """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
     field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
@@ -233,7 +238,14 @@ def build_request(
         proposal=proposal, seed=seed)
     cfg.validate(parts.vocab_size)
     stops = _stop_sequences(stop)
-    check_trees_possible(policy, tree_supported(parts, make_cache(parts)))
+    kv = KVQuantization.from_settings(kv_bits, kv_group_size, quantized_kv_start)
+    if kv is not None:
+        kv.check_target(parts)
+        if policy == "tree":
+            raise GenerationConfigError(
+                f"policy='tree' with kv_bits={kv_bits}: a quantized KV cache verifies chains "
+                "(policy 'auto', 'fixed' or 'confidence')")
+    check_trees_possible(policy, tree_supported(parts, make_cache(parts, kv)))
 
     if isinstance(prompt, str):
         prompt_ids = encode_text(tokenizer, prompt)
@@ -251,7 +263,7 @@ def build_request(
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
-        lookup=bool(lookup), memory=memory, index=index)
+        lookup=bool(lookup), memory=memory, index=index, kv=kv)
 
 
 def _signature() -> inspect.Signature:
@@ -286,6 +298,14 @@ class DecodeRequest:
     lookup: bool = True  # auto also verifies the context's own continuation (dflash.lookup)
     memory: PairMemory | None = None  # what earlier generations taught (None: the drafter's)
     index: ContinuationIndex | None = None  # earlier requests' text (dflash.lookup); told this one's
+    kv: KVQuantization | None = None  # the target's quantized KV cache (None: float)
+
+    def target_cache(self, parts: TargetParts) -> list:
+        """Fresh target caches; quantized ones switch where mlx-lm's decoding switches."""
+        if self.kv is None:
+            return make_cache(parts)
+        return make_cache(parts, self.kv, self.kv.switch_offset(len(self.prompt_ids),
+                                                                self.prefill_step_size))
 
 
 @dataclass
@@ -346,8 +366,12 @@ class DecodeState:
 def run_request(parts, draft, tokenizer, request: DecodeRequest,
                 prompt_cache: PromptCache | None = None) -> Generator[DFlashResponse, None, None]:
     """Decode one validated request (:func:`build_request`), one response per cycle."""
+    if prompt_cache is not None and request.kv is not None:
+        # A quantized cache's content depends on where its prompt switched: not reusable.
+        prompt_cache.clear()
+        prompt_cache = None
     if prompt_cache is None:
-        cache, dcache, reused = make_cache(parts), draft.make_cache(), 0
+        cache, dcache, reused = request.target_cache(parts), draft.make_cache(), 0
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
     cost = cost_model(parts, draft) if policy_class(request.policy).needs_cost else None
@@ -404,13 +428,19 @@ def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) ->
 
 
 def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: int) -> mx.array:
-    """Feed the prompt from ``start`` in chunks (the drafter sees every row); the last logits."""
+    """Feed the prompt from ``start`` in chunks (the drafter sees every row); the last logits.
+    A quantized cache takes mlx-lm's chunks (the last prompt token alone): where its calls end
+    decides which rows see float keys."""
     n, step = len(request.prompt_ids), request.prefill_step_size
-    for begin in range(start, n, step):
-        last = prefill_chunk(parts, draft, request.prompt_ids[begin:begin + step], state.cache,
+    ends = prefill_calls(n, step) if request.kv is not None else range(start + step, n + step, step)
+    begin = start
+    for end in ends:
+        end = min(end, n)
+        last = prefill_chunk(parts, draft, request.prompt_ids[begin:end], state.cache,
                              state.dcache)
         if request.progress:
-            request.progress(min(begin + step, n), n)
+            request.progress(end, n)
+        begin = end
     return last
 
 

@@ -8,6 +8,15 @@ Roll-back after a partial acceptance: attention caches trim. GatedDeltaNet layer
 recurrent state that cannot be trimmed, so their verify pass records its per-step inputs and the
 state it started from; roll-back replays the accepted prefix of the recurrence from that state and
 takes the conv window from the recorded conv input.
+
+Quantized KV caches (mlx-lm's ``kv_bits``): the promise is mlx-lm's own decoding with the same KV
+settings, so the cache must switch from float to quantized at the offset where mlx-lm's
+``maybe_quantize_kv_cache`` switches it (after the first forward call whose end reaches
+``quantized_kv_start``): tokens before that offset attend to float keys and values, tokens after
+it to quantized ones. :class:`QuantizingCache` carries that offset; :func:`forward` splits a pass
+that crosses it and :func:`rollback` returns to the float cache when the accepted rows end before
+it. Rotating (sliding-window) caches are rolled back by cutting the rows a multi-row pass appended
+(such a pass leaves the cache in temporal order), which works after the window has wrapped.
 """
 
 from __future__ import annotations
@@ -17,11 +26,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from . import backend
-from .errors import IncompatibleDraftError, UnsupportedTargetError
+from .errors import GenerationConfigError, IncompatibleDraftError, UnsupportedTargetError
 from .tree import DraftTree
 
 
@@ -138,6 +152,121 @@ def check_compatible(parts: TargetParts, draft) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Quantized KV caches (mlx-lm's kv_bits, kv_group_size, quantized_kv_start)
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode accepts
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's quantized KV cache settings, under mlx-lm's names and meanings: ``bits``
+    (``kv_bits``), ``group_size`` (``kv_group_size``) and ``start`` (``quantized_kv_start``: the
+    cache is converted once the context has that many tokens)."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 0
+
+    @classmethod
+    def from_settings(cls, kv_bits: int | None, kv_group_size: int = 64,
+                      quantized_kv_start: int = 0) -> KVQuantization | None:
+        """Checked settings (``None``: a float cache); typed errors name the field."""
+        for name, value in (("kv_group_size", kv_group_size),
+                            ("quantized_kv_start", quantized_kv_start)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GenerationConfigError(f"{name}={value!r}: must be an integer")
+        if quantized_kv_start < 0:
+            raise GenerationConfigError(
+                f"quantized_kv_start={quantized_kv_start}: must be >= 0")
+        if kv_group_size not in KV_GROUP_SIZES:
+            raise GenerationConfigError(
+                f"kv_group_size={kv_group_size}: must be one of {list(KV_GROUP_SIZES)}")
+        if kv_bits is None:
+            return None
+        if isinstance(kv_bits, bool) or not isinstance(kv_bits, int) or kv_bits not in KV_BITS:
+            raise GenerationConfigError(
+                f"kv_bits={kv_bits!r}: must be one of {list(KV_BITS)} (or None: a float cache)")
+        return cls(kv_bits, kv_group_size, quantized_kv_start)
+
+    def switch_offset(self, prompt_tokens: int, prefill_step_size: int) -> int:
+        """The context length at which mlx-lm's ``generate_step`` converts the cache for a prompt
+        of ``prompt_tokens``: after the first forward call whose end reaches ``start``. Its calls
+        are the prompt less its last token in chunks of ``prefill_step_size``, then the last
+        prompt token, then one token per step."""
+        end = 0
+        for end in prefill_calls(prompt_tokens, prefill_step_size):
+            if end >= self.start:
+                return end
+        return max(self.start, end + 1)
+
+    def check_target(self, parts: TargetParts) -> None:
+        """Refuse targets mlx-lm cannot quantize (rotating or recurrent caches, head dimensions
+        the group size does not divide), before any work starts."""
+        for i, c in enumerate(make_prompt_cache(parts.model)):
+            if isinstance(c, RotatingKVCache):
+                raise GenerationConfigError(
+                    f"kv_bits={self.bits}: target layer {i} uses a rotating (sliding-window) "
+                    "cache, which mlx-lm does not quantize")
+        for i, layer in enumerate(parts.layers):
+            attn = getattr(layer, "self_attn", None)
+            k_proj = getattr(attn, "k_proj", None)
+            heads = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+            if k_proj is None or not heads:
+                continue
+            out = k_proj.weight.shape[0] if not hasattr(k_proj, "scales") else None
+            head_dim = getattr(attn, "head_dim", None) or (out // heads if out else None)
+            if head_dim and head_dim % self.group_size:
+                raise GenerationConfigError(
+                    f"kv_group_size={self.group_size}: does not divide target layer {i}'s head "
+                    f"dimension {head_dim}")
+
+
+def prefill_calls(prompt_tokens: int, prefill_step_size: int) -> list[int]:
+    """Where mlx-lm's prefill calls end: chunks of ``prefill_step_size`` over all but the last
+    prompt token, then the last token alone."""
+    ends, done = [], 0
+    while prompt_tokens - done > 1:
+        done += min(prefill_step_size, prompt_tokens - done - 1)
+        ends.append(done)
+    ends.append(prompt_tokens)
+    return ends
+
+
+class QuantizingCache(list):
+    """The target's per-layer caches, float until the context reaches ``switch_at`` tokens, then
+    mlx-lm's ``QuantizedKVCache`` (the attention layers; recurrent layers keep their state)."""
+
+    quantized: bool = False
+
+    def __init__(self, caches: list, kv: KVQuantization, switch_at: int):
+        super().__init__(caches)
+        self.kv = kv
+        self.switch_at = switch_at
+
+    @property
+    def offset(self) -> int:
+        return next(c.offset for c in self if hasattr(c, "offset"))
+
+    def quantize(self) -> list:
+        """Convert the float attention caches (as mlx-lm's ``maybe_quantize_kv_cache``); the
+        float caches they were, for a roll-back to before the switch."""
+        before = list(self)
+        for i, c in enumerate(self):
+            if isinstance(c, KVCache):
+                self[i] = c.to_quantized(group_size=self.kv.group_size, bits=self.kv.bits)
+        self.quantized = True
+        return before
+
+    def restore(self, before: list) -> None:
+        """Back to the float caches :meth:`quantize` returned (their rows past the roll-back point
+        are trimmed by the caller)."""
+        for i, c in enumerate(before):
+            self[i] = c
+        self.quantized = False
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward with taps
 
 
@@ -159,6 +288,10 @@ class DeltaTrace:
 @dataclass
 class VerifyTrace:
     deltas: dict[int, DeltaTrace] = field(default_factory=dict)
+    # A pass that crossed a quantizing cache's switch: the float caches at the switch and the
+    # pass row the switch fell on (a roll-back to before it returns to them).
+    float_cache: list | None = None
+    switch_row: int = 0
 
 
 def _gated_delta_forward(mod: nn.Module, x: mx.array, cache: ArraysCache,
@@ -205,8 +338,43 @@ def forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[int
     """Logits ``(B, S, V)`` and the concatenated outputs of layers ``tap_ids`` ``(B, S, n*H)``.
 
     ``logits_rows`` limits the head to those rows (a long prefill needs only its last row's
-    logits; the head is the largest matrix of a small model).
+    logits; the head is the largest matrix of a small model). A :class:`QuantizingCache` is
+    converted when the pass starts at or past its switch; a pass that crosses the switch runs as
+    two passes split there (``trace`` keeps the float caches for :func:`rollback`).
     """
+    if isinstance(cache, QuantizingCache) and not cache.quantized:
+        start, rows = cache.offset, tokens.shape[1]
+        if start >= cache.switch_at:
+            cache.quantize()
+        elif start + rows > cache.switch_at:
+            k = cache.switch_at - start
+            logits1, taps1 = _forward(parts, tokens[:, :k], cache, tap_ids, trace, None)
+            before = cache.quantize()
+            first = None
+            if trace is not None:
+                trace.float_cache, trace.switch_row = before, k
+                first, trace.deltas = trace.deltas, {}
+            logits2, taps2 = _forward(parts, tokens[:, k:], cache, tap_ids, trace, None)
+            if first:
+                trace.deltas = {i: _join_deltas(first[i], trace.deltas[i]) for i in first}
+            logits = mx.concatenate([logits1, logits2], axis=1)
+            taps = mx.concatenate([taps1, taps2], axis=1) if tap_ids else None
+            return (logits if logits_rows is None else logits[:, logits_rows]), taps
+    return _forward(parts, tokens, cache, tap_ids, trace, logits_rows)
+
+
+def _join_deltas(a: DeltaTrace, b: DeltaTrace) -> DeltaTrace:
+    """One trace for two consecutive GatedDeltaNet passes (the second's conv input starts with
+    the window the first left)."""
+    window = a.conv_input.shape[1] - a.q.shape[1]
+    return DeltaTrace(mx.concatenate([a.conv_input, b.conv_input[:, window:]], axis=1),
+                      *(mx.concatenate([x, y], axis=1)
+                        for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v), (a.a, b.a), (a.b, b.b))),
+                      a.state0, a.A_log, a.dt_bias)
+
+
+def _forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[int],
+             trace: VerifyTrace | None, logits_rows: slice | None) -> tuple[mx.array, mx.array]:
     h = parts.embed(tokens)
     attn_cache = next((c for layer, c in zip(parts.layers, cache)
                        if not hasattr(layer, "linear_attn")
@@ -237,16 +405,38 @@ def forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[int
 # Caches and roll-back
 
 
-def make_cache(parts: TargetParts) -> list:
+def make_cache(parts: TargetParts, kv: KVQuantization | None = None,
+               switch_at: int = 0) -> list:
+    """The target's fresh caches (mlx-lm's own); with ``kv``, a :class:`QuantizingCache` that
+    converts at ``switch_at`` tokens (:meth:`KVQuantization.switch_offset`)."""
     cache = make_prompt_cache(parts.model)
     for i, c in enumerate(cache):
-        if isinstance(c, (KVCache, ArraysCache)):
+        if isinstance(c, (KVCache, ArraysCache, RotatingKVCache)):
             continue
-        if isinstance(c, RotatingKVCache):
-            continue  # trimmable while the window has not wrapped; checked at roll-back
         raise UnsupportedTargetError(
             f"target layer {i}: cache type {type(c).__name__} cannot be rolled back")
+    if kv is not None:
+        return QuantizingCache(cache, kv, switch_at)
     return cache
+
+
+def _cut_rotating(c: RotatingKVCache, drop: int) -> None:
+    """Drop the last ``drop`` rows a multi-row pass appended to a rotating cache.
+
+    Such a pass (mlx-lm's concatenating update) leaves the keys in temporal order with the new
+    rows last, so cutting them is exact whether or not the window has wrapped; the cache holds
+    at most ``max_size - 1`` rows before the pass, so the cut keeps its memory bounded.
+    """
+    if c.keys is None or c._idx != c.keys.shape[2]:
+        if not c.is_trimmable():
+            raise UnsupportedTargetError(
+                "target rotating cache: not in the order a multi-row pass leaves it")
+        c.trim(drop)
+        return
+    end = c._idx - drop
+    c.keys, c.values = c.keys[..., :end, :], c.values[..., :end, :]
+    c.offset -= drop
+    c._idx = end
 
 
 def rollback(cache: list, trace: VerifyTrace, keep: int, verified: int) -> None:
@@ -254,6 +444,11 @@ def rollback(cache: list, trace: VerifyTrace, keep: int, verified: int) -> None:
     drop = verified - keep
     if drop == 0:
         return
+    if trace.float_cache is not None and keep < trace.switch_row:
+        # The accepted rows end before the switch: back to the float caches, which hold the
+        # pass's rows up to the switch (recurrent layers share their state objects).
+        cache.restore(trace.float_cache)
+        drop = trace.switch_row - keep
     for i, c in enumerate(cache):
         if isinstance(c, ArraysCache):
             t = trace.deltas[i]
@@ -262,10 +457,9 @@ def rollback(cache: list, trace: VerifyTrace, keep: int, verified: int) -> None:
             _, c[1] = gated_delta_update(t.q[:, :keep], t.k[:, :keep], t.v[:, :keep],
                                          t.a[:, :keep], t.b[:, :keep], t.A_log, t.dt_bias,
                                          t.state0, None)
+        elif isinstance(c, RotatingKVCache):
+            _cut_rotating(c, drop)
         else:
-            if not c.is_trimmable():
-                raise UnsupportedTargetError(
-                    f"target layer {i}: its rotating cache has wrapped and cannot be trimmed")
             c.trim(drop)
 
 
@@ -306,6 +500,8 @@ def tree_supported(parts: TargetParts, cache: list) -> bool:
     Recurrent layers (Qwen3.5's GatedDeltaNet) cannot isolate sibling branches with a mask: their
     state advances in sequence order; hybrid targets verify chains.
     """
+    if isinstance(cache, QuantizingCache):
+        return False  # a tree's rows cannot be split at the quantization switch: chains only
     return all(
         all(hasattr(layer, a) for a in _TREE_BLOCK)
         and all(hasattr(layer.self_attn, a) for a in _TREE_ATTENTION)

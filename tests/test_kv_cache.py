@@ -1,0 +1,262 @@
+"""The target's KV memory: mlx-lm's quantized KV cache and rotating (sliding-window) caches.
+
+The promise with ``kv_bits``: greedy output identical to mlx-lm's own decoding with the same KV
+settings (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, ``prefill_step_size``), not to
+the float cache. Rotating caches: identical to mlx-lm's greedy decoding well past the window, the
+verify passes rolled back after the cache has wrapped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from conftest import calibrated
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+from tiny_models import OracleDrafter, target_config, tokenizer_source, write_drafter
+
+from dflash.errors import GenerationConfigError
+from dflash.model_mlx import generate, load, load_draft
+from dflash.target import (
+    KVQuantization,
+    VerifyTrace,
+    forward,
+    make_cache,
+    prefill_calls,
+    rollback,
+    target_parts,
+)
+
+N_TOKENS = 80
+
+
+def mixed(cycle: int, j: int) -> bool:
+    """Wrong proposals at different rows of different cycles: accept-none, -some, -all."""
+    return (cycle % 3 == 0 and j == 0) or (cycle % 3 == 1 and j == 3)
+
+
+def write_fixture(path: Path, kind: str, **overrides) -> Path:
+    """A random-weight mlx-lm target like tests/tiny_models.py's, with config ``overrides``
+    (a head dimension a KV group divides; a sliding window)."""
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import _get_classes
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok_dir = tokenizer_source()
+    src = json.loads((tok_dir / "config.json").read_text())
+    config = target_config(kind, src["vocab_size"], hidden=128, layers=4)
+    config.update(overrides, bos_token_id=src["bos_token_id"], eos_token_id=src["eos_token_id"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, path / name)
+    mx.random.seed(0)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+FIXTURES = {
+    # head_dim 32: kv_group_size 32 divides it
+    "llama": ("llama", {}),
+    "qwen3_5": ("qwen3_5", {"head_dim": 32}),
+    # Sliding-window layers (mlx-lm's RotatingKVCache) with a window of 16 between full ones
+    "llama_swa": ("llama", {"sliding_window": 16,
+                            "layer_types": ["sliding_attention", "full_attention"] * 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def kv_pair(tmp_path_factory):
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            kind, overrides = FIXTURES[name]
+            target = write_fixture(root / "target", kind, **overrides)
+            draft = write_drafter(root / "draft", target, taps=(0, 2))
+            calibrated(target, draft)
+            model, tokenizer = load(str(target))
+            made[name] = (model, tokenizer, load_draft(str(draft)))
+        return made[name]
+
+    return get
+
+
+def prompt_of(tokenizer, n: int) -> list[int]:
+    words = tokenizer.encode(" the sea, the sky and the long road home under a grey morning light"
+                             " while gulls circle over the harbour and boats come back" * 4)
+    return words[:n]
+
+
+def mlx_lm_greedy(model, prompt, n=N_TOKENS, **kv) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kv)]
+
+
+KV_CASES = [  # (kv_bits, quantized_kv_start, prompt tokens, prefill_step_size)
+    (8, 0, 40, 2048),  # the switch after the prompt's first call (all but its last token)
+    (4, 0, 40, 16),  # ... after its first chunk
+    (4, 50, 40, 2048),  # the switch mid-decode: verify passes cross it
+    (8, 23, 40, 16),  # the first chunk end at or past the start: 32
+    (4, 0, 1, 2048),  # a one-token prompt: its only call is float
+]
+
+
+@pytest.mark.parametrize("bits,start,n_prompt,step", KV_CASES)
+def test_quantized_kv_greedy_equals_mlx_lm(bits, start, n_prompt, step, kv_pair):
+    model, tokenizer, draft = kv_pair("llama")
+    prompt = prompt_of(tokenizer, n_prompt)
+    kv = dict(kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
+    ref = mlx_lm_greedy(model, prompt, prefill_step_size=step, **kv)
+    oracle = OracleDrafter(draft, prompt + ref + [0] * 32, mixed)
+    out = generate(model, oracle, tokenizer, prompt, block_size=8, max_tokens=N_TOKENS,
+                   policy="fixed", lookup=False, prefill_step_size=step, **kv)
+    assert out.tokens == ref
+    assert 1.0 < out.stats.mean_tau < 7.5  # rows were rejected and rolled back
+    # The drafter's own proposals under the auto policy: the same tokens.
+    out = generate(model, draft, tokenizer, prompt, max_tokens=N_TOKENS, prefill_step_size=step,
+                   **kv)
+    assert out.tokens == ref
+
+
+def test_quantized_reference_is_not_the_float_one(kv_pair):
+    """The contract is mlx-lm's quantized decoding: on this fixture it differs from the float
+    cache's, so the tests above compare with the right reference."""
+    model, tokenizer, _ = kv_pair("llama")
+    prompt = prompt_of(tokenizer, 40)
+    assert mlx_lm_greedy(model, prompt, kv_bits=4, kv_group_size=32, quantized_kv_start=0) != \
+        mlx_lm_greedy(model, prompt)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_hybrid_target(bits, kv_pair):
+    """Qwen3.5: attention layers quantized, GatedDeltaNet state replayed across a split pass."""
+    model, tokenizer, draft = kv_pair("qwen3_5")
+    prompt = prompt_of(tokenizer, 30)
+    kv = dict(kv_bits=bits, kv_group_size=32, quantized_kv_start=45)
+    ref = mlx_lm_greedy(model, prompt, **kv)
+    oracle = OracleDrafter(draft, prompt + ref + [0] * 32, mixed)
+    out = generate(model, oracle, tokenizer, prompt, block_size=8, max_tokens=N_TOKENS,
+                   policy="fixed", lookup=False, **kv)
+    assert out.tokens == ref
+
+
+def test_switch_offset_follows_mlx_lm_calls():
+    assert prefill_calls(40, 2048) == [39, 40]
+    assert prefill_calls(40, 16) == [16, 32, 39, 40]
+    assert prefill_calls(1, 16) == [1]
+    kv = KVQuantization(8, 64, 0)
+    assert kv.switch_offset(40, 2048) == 39
+    assert kv.switch_offset(1, 2048) == 1
+    assert KVQuantization(8, 64, 23).switch_offset(40, 16) == 32
+    assert KVQuantization(8, 64, 40).switch_offset(40, 16) == 40
+    assert KVQuantization(8, 64, 57).switch_offset(40, 16) == 57
+
+
+@pytest.mark.parametrize("keep", [2, 4, 6])
+def test_rollback_across_the_switch(keep, kv_pair):
+    """A verify pass that crosses the switch is split there; a roll-back to before it returns
+    to the float cache, one to after it keeps the quantized cache; the next pass agrees with a
+    cache fed only the kept tokens (to float rounding: passes of other row counts)."""
+    model, _, _ = kv_pair("llama")
+    parts = target_parts(model)
+    kv = KVQuantization(4, 32, 10)
+    tokens = [5, 17, 300, 42, 9, 1000, 77, 3, 2, 8, 11, 12, 13, 14, 15]
+    rolled = make_cache(parts, kv, switch_at=10)
+    forward(parts, mx.array(tokens[:6])[None], rolled, [])
+    trace = VerifyTrace()
+    forward(parts, mx.array(tokens[6:14])[None], rolled, [], trace)  # rows 6..13: switch at 10
+    assert rolled.quantized and trace.switch_row == 4
+    rollback(rolled, trace, keep=keep, verified=8)
+    assert rolled.offset == 6 + keep
+    assert rolled.quantized == (6 + keep >= 10)
+    assert all(isinstance(c, QuantizedKVCache) == rolled.quantized for c in rolled)
+    fresh = make_cache(parts, kv, switch_at=10)
+    forward(parts, mx.array(tokens[:6])[None], fresh, [])
+    forward(parts, mx.array(tokens[6:6 + keep])[None], fresh, [])
+    nxt = mx.array(tokens[6 + keep:6 + keep + 4])[None]
+    la, _ = forward(parts, nxt, rolled, [])
+    lb, _ = forward(parts, nxt, fresh, [])
+    assert mx.allclose(la, lb, atol=1e-4)
+
+
+def test_bad_kv_settings_name_the_field(kv_pair):
+    model, tokenizer, draft = kv_pair("llama")
+    for settings, field in (({"kv_bits": 7}, "kv_bits"), ({"kv_bits": "8"}, "kv_bits"),
+                            ({"kv_bits": 8, "kv_group_size": 48}, "kv_group_size"),
+                            ({"kv_bits": 8, "quantized_kv_start": -1}, "quantized_kv_start"),
+                            ({"kv_bits": 8, "kv_group_size": 64}, "kv_group_size"),  # head_dim 32
+                            ({"kv_bits": 8, "kv_group_size": 32, "policy": "tree"}, "kv_bits")):
+        with pytest.raises(GenerationConfigError, match=field):
+            generate(model, draft, tokenizer, [1, 2, 3], max_tokens=4, **settings)
+
+
+def test_kv_bits_refused_on_rotating_target(kv_pair):
+    model, tokenizer, draft = kv_pair("llama_swa")
+    with pytest.raises(GenerationConfigError, match="kv_bits=8.*rotating"):
+        generate(model, draft, tokenizer, [1, 2, 3], max_tokens=4, kv_bits=8, kv_group_size=32)
+
+
+def test_kv_bits_refused_by_the_batched_engine(kv_pair):
+    from dflash.batch import BatchGenerator
+
+    model, tokenizer, draft = kv_pair("llama")
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=2)
+    with pytest.raises(GenerationConfigError, match="kv_bits"):
+        engine.insert([1, 2, 3], max_tokens=4, kv_bits=8, kv_group_size=32)
+    # One sequence at a time (max_batch=1) is the single-sequence engine: exact.
+    lone = BatchGenerator(model, draft, tokenizer, max_batch=1)
+    prompt = prompt_of(tokenizer, 20)
+    kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    uid = lone.insert(prompt, max_tokens=24, **kv)
+    tokens = []
+    while lone.active or lone.pending:
+        tokens += [t for e in lone.step() if e.uid == uid for t in e.tokens]
+    assert tokens == mlx_lm_greedy(model, prompt, n=24, prefill_step_size=256, **kv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotating (sliding-window) caches
+
+
+@pytest.mark.parametrize("n_prompt", [5, 40])
+def test_sliding_window_target_exact_past_the_window(n_prompt, kv_pair):
+    model, tokenizer, draft = kv_pair("llama_swa")
+    assert any(isinstance(c, RotatingKVCache) for c in make_cache(target_parts(model)))
+    prompt = prompt_of(tokenizer, n_prompt)
+    ref = mlx_lm_greedy(model, prompt)
+    oracle = OracleDrafter(draft, prompt + ref + [0] * 32, mixed)
+    out = generate(model, oracle, tokenizer, prompt, block_size=8, max_tokens=N_TOKENS,
+                   policy="fixed", lookup=False)
+    assert out.tokens == ref
+    assert 1.0 < out.stats.mean_tau < 7.5
+    out = generate(model, draft, tokenizer, prompt, max_tokens=N_TOKENS)
+    assert out.tokens == ref
+
+
+def test_wrapped_rotating_cache_rolls_back(kv_pair):
+    """Past the window, a verify pass then a roll-back leaves the cache as if fed only the kept
+    tokens: the next pass's logits agree (to float rounding: passes of other row counts)."""
+    model, _, _ = kv_pair("llama_swa")
+    parts = target_parts(model)
+    tokens = list(range(200, 260))
+    rolled, fresh = make_cache(parts), make_cache(parts)
+    for c in (rolled, fresh):
+        forward(parts, mx.array(tokens[:30])[None], c, [])
+    trace = VerifyTrace()
+    forward(parts, mx.array(tokens[30:38])[None], rolled, [], trace)
+    rollback(rolled, trace, keep=3, verified=8)
+    forward(parts, mx.array(tokens[30:33])[None], fresh, [])
+    for c in rolled:
+        if isinstance(c, RotatingKVCache):
+            assert c.offset == 33 and c.keys.shape[2] <= c.max_size + 8
+    nxt = mx.array(tokens[33:40])[None]
+    la, _ = forward(parts, nxt, rolled, [])
+    lb, _ = forward(parts, nxt, fresh, [])
+    assert mx.allclose(la, lb, atol=1e-4)
