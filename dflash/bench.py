@@ -104,6 +104,7 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
+    mx.reset_peak_memory()
     sampler = make_sampler(temp=sampling["temperature"], top_p=sampling["top_p"],
                            min_p=sampling["min_p"], top_k=sampling["top_k"])
     tokens: list[int] = []
@@ -116,7 +117,7 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
         if r.finish_reason is None or r.finish_reason == "length":
             tokens.append(int(r.token))
     end = time.perf_counter()
-    return _timing(tokens, tic, first or end, end)
+    return _timing(tokens, tic, first or end, end) | {"peak_memory_gb": mx.get_peak_memory() / 1e9}
 
 
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
@@ -200,6 +201,7 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
             "decode_time": statistics.median(r["decode_time"] for r in base_runs),
             "generated_tokens": len(base_runs[-1]["tokens"]),
             "priced_ms": plain_priced,
+            "peak_memory_gb": max(r.get("peak_memory_gb", 0.0) for r in base_runs),
         },
         "dflash": {
             "tokens_per_s": d_tps,

@@ -480,6 +480,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.no_index:
         raise CLIError("--no-index: only with --trace", code=2)
+    if args.context is not None:
+        return _bench_contexts(args)
     try:
         block_sizes = parse_block_sizes(args.block_size)
     except ValueError as e:
@@ -493,6 +495,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
         min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget,
         lookup=not args.no_lookup, pair_memory=args.pair_memory)
     print(format_summary(result), flush=True)
+    return 0
+
+
+def _bench_contexts(args: argparse.Namespace) -> int:
+    """``dflash bench --context 512,2k,4k,8k``: the prompts at each context length."""
+    from .contexts import format_context_summary, parse_contexts, plot_contexts, run_context_bench
+
+    lengths = parse_contexts(args.context)  # before any model is loaded
+    pair = load_pair(args.model, args.draft, log=log)
+    result = run_context_bench(
+        lengths, pair=pair, prompts=args.prompts, max_tokens=args.max_tokens, limit=args.limit,
+        say=log, lookup_off=True, repeats=args.repeats, block_sizes=args.block_size,
+        chat_template=not args.no_chat_template, system=args.system, policy=args.policy,
+        tree_budget=args.tree_budget, min_confidence=args.min_confidence)
+    print(format_context_summary(result), flush=True)
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "contexts.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        with contextlib.suppress(ImportError):
+            plot_contexts(result, out / "contexts.png")
     return 0
 
 
@@ -666,6 +689,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-index", action="store_true",
                    help="with --trace: no continuation index across requests (each turn "
                         "proposes only from its own text and the drafter)")
+    p.add_argument("--context", default=None, metavar="LENGTHS",
+                   help="the prompts at each context length, e.g. 512,2k,4k,8k (prompt + "
+                        "--max-tokens; unrelated documentation text put first): speed-up with "
+                        "and without continuations, τ, drafter share, prefill time and peak "
+                        "memory per length (docs/long-context.md)")
     p.add_argument("--limit", type=int, default=None,
                    help="use only the first N prompts (with --trace: conversations)")
     p.add_argument("--block-size", default=None,

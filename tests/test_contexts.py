@@ -1,0 +1,78 @@
+"""``dflash bench --context``: prompts padded to each context length with unrelated text, the
+bench run at each, with and without continuations (tiny models; the measured numbers are in
+docs/long-context.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash.contexts import at_context, filler_text, parse_contexts, run_context_bench
+from dflash.errors import GenerationConfigError
+from dflash.pair import Pair
+from dflash.prompts import encode_prompt
+
+KIND = "llama"
+PROMPTS = [{"id": "sum", "prompt": "What is 12 + 30?"},
+           {"id": "chat", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Write a short poem."}]}]
+
+
+def test_context_lengths_are_read_as_token_counts():
+    assert parse_contexts("512,2k, 4K,8k,2k") == [512, 2048, 4096, 8192]
+    assert parse_contexts(300) == [300]
+    for bad in ("", "2x", "1.5k", "0", "-4"):
+        with pytest.raises(GenerationConfigError, match="--context"):
+            parse_contexts(bad)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair, loaded_pair):
+    target, draft = tiny_pair(KIND)
+    model, tokenizer, d = loaded_pair(KIND)
+    return Pair(model, tokenizer, d, str(target), str(draft))
+
+
+def test_each_prompt_is_padded_to_its_length_before_the_question(pair):
+    def encode(item):
+        return encode_prompt(pair.tokenizer, item)
+
+    filler = filler_text()
+    assert len(filler) > 50_000  # enough real text for 8k tokens
+    for length in (200, 700, 1500):
+        padded = at_context(PROMPTS, length, 64, encode, pair.tokenizer, filler)
+        for item, original in zip(padded, PROMPTS):
+            assert abs(len(encode(item)) - (length - 64)) <= 2
+            assert item["id"] == f"{original['id']}@{length}"
+            question = original.get("prompt") or original["messages"][-1]["content"]
+            user = [m for m in item["messages"] if m["role"] == "user"][0]["content"]
+            assert user.endswith(question) and len(user) > 4 * len(question)
+        assert padded[1]["messages"][0] == PROMPTS[1]["messages"][0]  # the system turn kept
+    # A prompt already longer than the length is kept as it is.
+    short = at_context(PROMPTS, 10, 4, encode, pair.tokenizer, filler)
+    assert [encode(p) for p in short] == [encode(p) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_the_context_bench_runs_each_length_with_and_without_continuations(pair):
+    result = run_context_bench([256, 512], pair=pair, prompts=PROMPTS, max_tokens=16, limit=1,
+                               block_sizes="4")
+    assert [r["context"] for r in result["rows"]] == [256, 512]
+    for row in result["rows"]:
+        assert all(abs(n - (row["context"] - 16)) <= 2 for n in row["prompt_tokens"])
+        for side in ("lookup", "no_lookup"):
+            r = row[side]
+            assert r["identical"] is True and r["speedup"] > 0 and r["tau"] >= 1.0
+            assert r["baseline_prefill_s"] > 0 and r["dflash_prefill_s"] > 0
+            assert r["baseline_peak_gb"] > 0 and r["dflash_peak_gb"] > 0
+            assert 0 <= r["drafter_share"] <= 1
+        assert row["no_lookup"]["lookup_share"] == 0.0
+
+
+def test_a_context_past_the_targets_positions_is_refused_before_loading(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dflash", "bench", "--context", "4k,huge"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--context" in out.stderr and "huge" in out.stderr
