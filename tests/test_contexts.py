@@ -4,7 +4,6 @@ docs/long-context.md)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
