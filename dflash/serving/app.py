@@ -61,10 +61,12 @@ from .worker import Job, Worker
 
 # Larger bodies get a 413 (no prompt that fits a context comes near it).
 MAX_BODY_BYTES = 32 * 1024 * 1024
-OPEN_PATHS = ("/health",)
+# Answered without an API key: liveness only (Claude Code sends ``HEAD /`` without its key
+# before its first request).
+OPEN_PATHS = ("/", "/health")
 SHARED = {"key": "index and prefix cache per API key",
           "all": "index and prefix cache shared by all clients",
-          "none": "no index or prefix cache across requests"}  # answered without an API key
+          "none": "no index or prefix cache across requests"}
 # The scope (API key) of the request being handled: set by the key check around every route,
 # read where a generation is submitted, so that every endpoint runs in its caller's scope.
 CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("dflash_caller",
@@ -320,6 +322,10 @@ def build_app(server: Server):
     @app.get("/health")
     async def health():
         return server.health()
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
