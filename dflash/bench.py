@@ -97,8 +97,10 @@ def load_prompts(prompts: str | Path | Sequence[dict] = "builtin",
 # One timed run of each side
 
 
-def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: int) -> dict:
-    """mlx-lm's plain decoding of the target (``mlx_lm.generate.stream_generate``)."""
+def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: int,
+                  kv: dict | None = None) -> dict:
+    """mlx-lm's plain decoding of the target (``mlx_lm.generate.stream_generate``; ``kv``: its
+    quantized KV cache settings)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -111,7 +113,7 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
     tic = time.perf_counter()
     first = None
     for r in lm_stream_generate(pair.model, pair.tokenizer, list(ids), max_tokens=max_tokens,
-                                sampler=sampler):
+                                sampler=sampler, **(kv or {})):
         if first is None:
             first = time.perf_counter()
         if r.finish_reason is None or r.finish_reason == "length":
@@ -123,7 +125,8 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
 def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, sampling: dict,
                 seed: int, min_confidence: float | None = None,
                 policy: str | None = None, tree_budget: int | None = None,
-                lookup: bool = True, memory=None, index=None, prompt_cache=None) -> dict:
+                lookup: bool = True, memory=None, index=None, prompt_cache=None,
+                kv: dict | None = None) -> dict:
     from .speculative import stream_generate
 
     tokens: list[int] = []
@@ -133,7 +136,7 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
                              block_size=block_size, max_tokens=max_tokens, seed=seed,
                              min_confidence=min_confidence, policy=policy,
                              tree_budget=tree_budget, lookup=lookup, memory=memory,
-                             index=index, prompt_cache=prompt_cache, **sampling):
+                             index=index, prompt_cache=prompt_cache, **sampling, **(kv or {})):
         if first is None:
             first = time.perf_counter()
         tokens.extend(r.tokens)
@@ -291,12 +294,14 @@ def run_bench(model: str | None = None, draft: str | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
               pair=None, min_confidence: float | None = None,
               policy: str | None = None, tree_budget: int | None = None,
-              lookup: bool = True, pair_memory: str | Path | None = None) -> dict:
+              lookup: bool = True, pair_memory: str | Path | None = None,
+              kv: dict | None = None) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
     (the built-in pair where ``None``). The ``auto`` policy's runs share one pair memory, empty
-    at the start unless ``pair_memory`` names a file (read, and saved back at the end).
+    at the start unless ``pair_memory`` names a file (read, and saved back at the end). ``kv``:
+    the target's quantized KV cache settings (``kv_bits``, ...), for both engines.
     """
     say = log or (lambda _msg: None)
     if isinstance(block_sizes, (list, tuple)) and None in block_sizes:
@@ -339,10 +344,10 @@ def run_bench(model: str | None = None, draft: str | None = None,
     if warmup:
         say("warming up ...")
         n = min(16, max_tokens)
-        _run_baseline(pair, encoded[0], n, sampling, seed)
+        _run_baseline(pair, encoded[0], n, sampling, seed, kv)
         for bs in sizes:
             _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy,
-                        tree_budget, lookup, pair_memory)
+                        tree_budget, lookup, pair_memory, kv=kv)
 
     base_runs: list[list[dict]] = [[] for _ in items]
     runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
@@ -357,12 +362,12 @@ def run_bench(model: str | None = None, draft: str | None = None,
             for which in order:
                 done += 1
                 if which is None:
-                    r = _run_baseline(pair, ids, max_tokens, sampling, seed)
+                    r = _run_baseline(pair, ids, max_tokens, sampling, seed, kv)
                     base_runs[i].append(r)
                     what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
                     r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence,
-                                    policy, tree_budget, lookup, pair_memory)
+                                    policy, tree_budget, lookup, pair_memory, kv=kv)
                     runs[which][i].append(r)
                     what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                             f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
@@ -398,7 +403,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
-            "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory,
+            "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory, "kv": kv or None,
             "elapsed_s": elapsed},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,

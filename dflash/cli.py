@@ -80,6 +80,28 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
                    help="prompt tokens per prefill chunk (default 2048)")
 
 
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target KV cache (mlx-lm's options)")
+    g.add_argument("--kv-bits", type=int, default=None, metavar="BITS",
+                   help="quantize the target's KV cache to BITS (2, 3, 4, 5, 6 or 8; default: "
+                        "float); greedy output is mlx-lm's with the same settings "
+                        "(docs/long-context.md)")
+    g.add_argument("--kv-group-size", type=int, default=64,
+                   help="group size of the KV quantization (32, 64 or 128; default 64)")
+    g.add_argument("--quantized-kv-start", type=int, default=0, metavar="TOKENS",
+                   help="quantize once the context holds TOKENS tokens (default 0: after the "
+                        "first prefill chunk, as mlx-lm counts)")
+
+
+def kv_kwargs(args: argparse.Namespace) -> dict:
+    """The ``--kv-*`` options as :func:`~dflash.speculative.stream_generate` settings (none
+    without ``--kv-bits``)."""
+    if getattr(args, "kv_bits", None) is None:
+        return {}
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+            "quantized_kv_start": args.quantized_kv_start}
+
+
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompt format")
     g.add_argument("--system", default=None, help="system message")
@@ -179,7 +201,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         repetition_context_size=args.repetition_context_size,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, proposal=args.proposal, stop=args.stop,
-        prefill_step_size=args.prefill_step_size, memory=pair_memory(args))
+        prefill_step_size=args.prefill_step_size, memory=pair_memory(args), **kv_kwargs(args))
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
@@ -438,7 +460,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            default_max_tokens=args.default_max_tokens,
                            block_size=args.block_size, max_queue=args.max_queue,
                            max_concurrency=args.max_concurrency, reasoning=args.reasoning,
-                           pair_memory=args.pair_memory, api_keys=keys, share=args.share,
+                           pair_memory=args.pair_memory, api_keys=keys, share=args.share, **kv_kwargs(args),
                            index_budget=args.index_budget or DEFAULT_BUDGET)
     run(server, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -453,6 +475,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_concurrency_bench,
     )
 
+    if kv_kwargs(args) and (args.trace or args.tau or args.bound or args.concurrency
+                            or getattr(args, "context", None)):
+        raise CLIError("--kv-bits: only with the prompts benchmark (not with --trace, --tau, "
+                       "--bound, --concurrency or --context)", code=2)
     if args.trace is not None:
         return _bench_trace(args)
     if args.tau or args.bound:  # drafters side by side / what the drafter allows at most
@@ -493,7 +519,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
         template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log,
         min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget,
-        lookup=not args.no_lookup, pair_memory=args.pair_memory)
+        lookup=not args.no_lookup, pair_memory=args.pair_memory, kv=kv_kwargs(args))
     print(format_summary(result), flush=True)
     return 0
 
@@ -578,6 +604,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             log(f"forgot what earlier generations stored ({forgotten})")
     log(f"calibration {costs.calibration_file(model.key)} (measured {model.measured_at})")
     print(costs.format_table(model), flush=True)
+    print(kv_cost_line(pair.model), flush=True)
     if learned is not None:
         table = costs.compare_learned(learned, model)
         print("\nlearnt in one generation from the prior, against the calibration:", flush=True)
@@ -589,6 +616,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         files = costs.write_calibration(model, args.out)
         log("wrote " + ", ".join(str(p) for p in files.values()))
     return 0
+
+
+def kv_cost_line(model) -> str:
+    """The target's KV cache per 1,000 tokens of context: float and quantized (``--kv-bits``)."""
+    from .serving.worker import kv_bytes_per_token
+
+    parts = [f"float {kv_bytes_per_token(model) * 1000 / 2**20:.1f} MiB"]
+    parts += [f"kv_bits={b} {kv_bytes_per_token(model, b) * 1000 / 2**20:.1f} MiB" for b in (8, 4)]
+    return "target KV cache per 1k tokens: " + ", ".join(parts) + " (kv_group_size 64)"
 
 
 COMPARE_PROMPT = "Write a Python function that checks whether a number is prime, and explain it."
@@ -651,6 +687,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", default=None, help="the prompt (default: read stdin)")
     add_prompt_args(p)
     add_sampling_args(p)
+    add_kv_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, stats) instead of streaming")
     p.add_argument("--no-speedup-estimate", action="store_true",
@@ -662,6 +699,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_model_args(p)
     add_prompt_args(p)
     add_sampling_args(p, max_tokens=1024)
+    add_kv_args(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no statistics after each answer")
     p.set_defaults(func=cmd_chat)
 
@@ -670,6 +708,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        "/health and /metrics (Prometheus).")
     add_model_args(p)
     add_serve_args(p)
+    add_kv_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the speed-up over plain mlx-lm decoding",
@@ -719,6 +758,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_prompt_args(p)
     p.add_argument("--out", default=None,
                    help="folder for bench.json, bench.md and the PNG plots")
+    add_kv_args(p)
     g = p.add_argument_group("drafters (instead of the speed-up)")
     g.add_argument("--tau", action="store_true",
                    help="held-out τ per prompt domain of each drafter in --draft A,B,... "

@@ -32,13 +32,14 @@ from ..errors import (
     GenerationCancelled,
     MissingDependencyError,
     QueueFull,
+    ServerConfigError,
     ServerStartError,
 )
 from ..lookup import DEFAULT_BUDGET
 from ..pair import load_pair
 from ..speculative import DFlashResponse
 from ..stats import generation_stats
-from ..target import target_parts
+from ..target import KVQuantization, target_parts
 from .anthropic_format import (
     MessageStream,
     error_body,
@@ -78,8 +79,10 @@ class Server:
 
     def __init__(self, worker: Worker, model_name: str, max_context: int | None = None,
                  default_max_tokens: int = 512, block_size: int | None = None,
-                 reasoning: str = "auto", keys: APIKeys | None = None):
+                 reasoning: str = "auto", keys: APIKeys | None = None,
+                 kv: dict | None = None):
         self.worker = worker
+        self.kv = kv or {}  # the target's KV cache settings, the same for every request
         self.keys = keys if keys is not None else APIKeys()
         self.pair = worker.pair
         self.tokenizer = self.pair.tokenizer
@@ -133,7 +136,7 @@ class Server:
 
     async def generate(self, req: CompletionRequest) -> AsyncIterator[tuple[Job, DFlashResponse]]:
         """The worker's ``(job, response)`` stream, its failures as ``APIError``s."""
-        stream = self.worker.stream(req.prompt_ids, req.settings.engine_kwargs(),
+        stream = self.worker.stream(req.prompt_ids, {**req.settings.engine_kwargs(), **self.kv},
                                     scope=CALLER.get())
         try:
             async for item in stream:
@@ -464,7 +467,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   max_queue: int = 64, max_concurrency: int | None = None,
                   reasoning: str = "auto", quiet: bool = False,
                   pair_memory: str | None = None, api_keys: list[str] | None = None,
-                  share: str = "key", index_budget: int = DEFAULT_BUDGET) -> Server:
+                  share: str = "key", index_budget: int = DEFAULT_BUDGET,
+                  kv_bits: int | None = None, kv_group_size: int = 64,
+                  quantized_kv_start: int = 0) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
@@ -472,9 +477,18 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     in the server's process only); ``api_keys``: the keys every route but ``/health`` needs
     (``None``: anyone may use it, as one tenant); ``share``: who shares a continuation index
     and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
-    (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds.
+    (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds; ``kv_bits``,
+    ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
+    (one sequence at a time: ``max_concurrency`` 1).
     """
     keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
+    kv = KVQuantization.from_settings(kv_bits, kv_group_size, quantized_kv_start)
+    if kv is not None:
+        if max_concurrency is not None and max_concurrency > 1:
+            raise ServerConfigError(
+                f"kv_bits={kv_bits}: quantized KV caches decode one sequence at a time; "
+                f"max_concurrency={max_concurrency} must be 1")
+        max_concurrency = 1
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -490,7 +504,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                     pair_memory=pair_memory, scopes=scopes).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
-                  reasoning=reasoning, keys=keys)
+                  reasoning=reasoning, keys=keys,
+                  kv=None if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size,
+                                              "quantized_kv_start": kv.start})
 
 
 def open_warning(host: str, keys: APIKeys) -> str | None:

@@ -52,18 +52,21 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of attention cache one token adds to a sequence of ``model`` (keys and values)."""
+def kv_bytes_per_token(model, kv_bits: int | None = None, kv_group_size: int = 64) -> float:
+    """Bytes of attention cache one token adds to a sequence of ``model`` (keys and values);
+    with ``kv_bits``, in mlx-lm's quantized KV cache (packed values, a scale and a bias per
+    ``kv_group_size`` values)."""
     import mlx.core as mx
 
     dtype = compute_dtype() or mx.float16
-    total = 0
+    per_value = dtype.size if kv_bits is None else kv_bits / 8 + 2 * dtype.size / kv_group_size
+    total = 0.0
     for layer in target_parts(model).layers:
         attn = getattr(layer, "self_attn", None)
         heads = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
         head_dim = getattr(attn, "head_dim", None)
         if heads and head_dim:
-            total += 2 * heads * head_dim * dtype.size
+            total += 2 * heads * head_dim * per_value
     return total
 
 
