@@ -117,42 +117,83 @@ def walk(ids: np.ndarray, values: np.ndarray, first: np.ndarray, rest: np.ndarra
 
 class WindowCache:
     """Context keys/values of the last ``size`` positions (``window - 1``: all a block's anchor
-    can see). ``offset`` counts every position ever added, as mlx-lm's caches do."""
+    can see). ``offset`` counts every position ever added, as mlx-lm's caches do.
+
+    The rows live in a buffer of ``size + slack`` rows: an append writes in place and the oldest
+    rows are dropped only when the buffer is full, so the window is copied once per ``slack``
+    appended rows rather than on every append, and memory stays flat however long the context
+    grows. ``keys`` / ``values`` are the rows in the window, oldest first (contiguous positions
+    ``offset - len .. offset - 1``).
+    """
+
+    max_slack = 256
 
     def __init__(self, size: int):
         self.size = size
-        self.keys = self.values = None
+        self.slack = min(size, self.max_slack)
+        self._keys = self._values = None
+        self.used = 0  # rows written in the buffer (the last ``size`` of them are the window)
         self.offset = 0
 
+    @property
+    def keys(self) -> mx.array | None:
+        return None if self._keys is None else self._keys[..., self._start():self.used, :]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self._values is None else self._values[..., self._start():self.used, :]
+
+    def _start(self) -> int:
+        return max(self.used - self.size, 0)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.offset += keys.shape[2]
-        if self.keys is not None:
-            keys = mx.concatenate([self.keys, keys], axis=2)
-            values = mx.concatenate([self.values, values], axis=2)
-        self.keys, self.values = keys[..., -self.size:, :], values[..., -self.size:, :]
-        return self.keys, self.values
+        n = keys.shape[2]
+        self.offset += n
+        if n >= self.size:  # the new rows alone fill the window
+            self._keys, self._values = keys[..., n - self.size:, :], values[..., n - self.size:, :]
+            self.used = self.size
+            return self.keys_and_values()
+        if self._keys is None or self.used + n > self._keys.shape[2]:
+            kept = min(self.used, self.size - n)  # the rows still in the window after this append
+            rows = self.size + self.slack
+            new_k = mx.zeros((*keys.shape[:2], rows, keys.shape[3]), keys.dtype)
+            new_v = mx.zeros((*values.shape[:2], rows, values.shape[3]), values.dtype)
+            if kept:
+                new_k[..., :kept, :] = self._keys[..., self.used - kept:self.used, :]
+                new_v[..., :kept, :] = self._values[..., self.used - kept:self.used, :]
+            self._keys, self._values, self.used = new_k, new_v, kept
+        self._keys[..., self.used:self.used + n, :] = keys
+        self._values[..., self.used:self.used + n, :] = values
+        self.used += n
+        return self.keys_and_values()
 
     def skip(self, n: int) -> None:
-        """Advance over ``n`` positions that would fall out of the window anyway."""
+        """Advance over ``n`` positions that would fall out of the window anyway (the rows held
+        so far are older still: they go)."""
         self.offset += n
+        self.used = 0
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         return self.keys, self.values
 
     @property
     def state(self):
-        return self.keys, self.values
+        return self._keys, self._values
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds (flat once the context passes the window)."""
+        return 0 if self._keys is None else self._keys.nbytes + self._values.nbytes
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` positions. Positions already dropped stay unknown: the drafter
-        then sees fewer context rows until new ones arrive (proposals only; output is exact)."""
+        """Forget the last ``n`` positions. Older rows still in the buffer come back into the
+        window; positions already dropped stay unknown: the drafter then sees fewer context rows
+        until new ones arrive (proposals only; output is exact)."""
         n = min(self.offset, n)
-        if self.keys is not None:
-            kept = max(self.keys.shape[2] - n, 0)
-            self.keys, self.values = self.keys[..., :kept, :], self.values[..., :kept, :]
+        self.used = max(self.used - n, 0)
         self.offset -= n
         return n
 

@@ -26,7 +26,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import backend
 from .checkpoint import drafter_weights, read_config, read_weights, resolve_path
 from .dflash2 import CandidateSelector, DFlash2Cache, GroupedDynamicConv, WindowCache, walk
-from .errors import DraftCheckpointError, UnsupportedTargetError
+from .errors import DraftCheckpointError, GenerationConfigError
 from .ragged_cache import RaggedKVCache
 
 V1, V2 = "DFlashDraftModel", "DFlash2DraftModel"
@@ -52,6 +52,9 @@ class DFlashConfig:
     num_target_layers: int | None = None
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # The draft window: when set, every layer attends to at most this many positions (the
+    # checkpoint's own window of sliding layers included); None: each layer as the config says.
+    draft_window: int | None = None
     # SpecForge trains sliding layers causal inside the block; a switch because checkpoints vary.
     sliding_block_causal: bool = True
     attention_bias: bool = False
@@ -83,6 +86,13 @@ class DFlashConfig:
     @property
     def is_dflash2(self) -> bool:
         return self.architecture == V2
+
+    def layer_window(self, layer_type: str) -> int | None:
+        """The attention window of a layer of this type: the draft window where one is set,
+        else the config's ``sliding_window`` for sliding layers (None: the whole context)."""
+        if self.draft_window is not None:
+            return self.draft_window
+        return self.sliding_window if layer_type == "sliding_attention" else None
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> DFlashConfig:
@@ -139,6 +149,7 @@ class DFlashConfig:
             num_target_layers=pick("num_target_layers", cfg, dflash),
             layer_types=cfg.get("layer_types"),
             sliding_window=cfg.get("sliding_window"),
+            draft_window=pick("draft_window", dflash),
             sliding_block_causal=bool(pick("sliding_block_causal", dflash, default=True)),
             draft_vocab_ids=pick("draft_vocab_ids", dflash),
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -148,6 +159,11 @@ class DFlashConfig:
         if arch == V2:
             fields.update(_dflash2_fields(cfg, dflash, source))
         config = cls(**fields)
+        if config.draft_window is not None:
+            try:
+                check_window(config.draft_window, config.block_size, "dflash_config.draft_window")
+            except GenerationConfigError as e:
+                raise DraftCheckpointError(f"{source}: {e}") from None
         if arch == V2:
             config.validate_dflash2(source)
         return config
@@ -195,15 +211,29 @@ def _dflash2_fields(cfg: dict, dflash: dict, source: str) -> dict:
     return out
 
 
+def check_window(window, block_size: int, name: str = "sliding_window_size") -> None:
+    """A draft window is an integer of at least one block (``GenerationConfigError`` naming
+    ``name`` otherwise): a smaller one would leave a block's last rows no context at all."""
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool):
+        raise GenerationConfigError(f"{name}={window!r}: must be an integer number of tokens")
+    if window < max(block_size, 1):
+        raise GenerationConfigError(f"{name}={window}: must be at least the drafter's block size "
+                                    f"({block_size})")
+
+
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig, sliding_window: int | None):
+    def __init__(self, cfg: DFlashConfig, sliding_window: int | None,
+                 block_causal: bool | None = None):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = sliding_window
-        self.block_causal = sliding_window is not None and cfg.sliding_block_causal
+        # Causal inside the block only where the checkpoint says so (its sliding layers); a draft
+        # window set on a full-attention layer bounds its context and nothing else.
+        self.block_causal = (sliding_window is not None and cfg.sliding_block_causal
+                             if block_causal is None else block_causal)
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
@@ -311,8 +341,8 @@ class DraftMLP(nn.Module):
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_type: str):
         super().__init__()
-        window = cfg.sliding_window if layer_type == "sliding_attention" else None
-        self.self_attn = DraftAttention(cfg, window)
+        window = cfg.layer_window(layer_type)
+        self.self_attn = DraftAttention(cfg, window, _block_causal(cfg, layer_type, window))
         self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -321,6 +351,10 @@ class DraftLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, block_start, mask,
                                ctx_rows)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _block_causal(cfg: DFlashConfig, layer_type: str, window: int | None) -> bool:
+    return layer_type == "sliding_attention" and window is not None and cfg.sliding_block_causal
 
 
 def block_mask(n_context: int, block_len: int, window: int | None, causal: bool,
@@ -338,16 +372,16 @@ def block_mask(n_context: int, block_len: int, window: int | None, causal: bool,
     return visible
 
 
-def _ragged_block_mask(cache: RaggedKVCache, block_len: int, window: int | None) -> mx.array:
-    """``(B, 1, L, context + L)``: each row's own context slots, then its whole block."""
-    if window is not None:
-        raise UnsupportedTargetError("batched drafting needs a drafter without sliding-window "
-                                     "layers")
-    context = cache.context_mask()
-    return mx.concatenate([mx.broadcast_to(context, (*context.shape[:2], block_len,
-                                                     context.shape[-1])),
-                           mx.ones((context.shape[0], 1, block_len, block_len), dtype=mx.bool_)],
-                          axis=-1)
+def _ragged_block_mask(cache: RaggedKVCache, block_len: int, window: int | None,
+                       causal: bool = False) -> mx.array:
+    """``(B, 1, L, context + L)``: each row's own context slots (with a window: only those
+    fewer than ``window`` positions behind each query), then its block (causal or whole)."""
+    context = cache.context_mask(block_len, window)
+    own = mx.ones((block_len, block_len), dtype=mx.bool_)
+    if causal:
+        own = mx.tril(own)
+    return mx.concatenate([context, mx.broadcast_to(own, (context.shape[0], 1, block_len,
+                                                          block_len))], axis=-1)
 
 
 class DFlashDraftModel(nn.Module):
@@ -377,8 +411,30 @@ class DFlashDraftModel(nn.Module):
     def target_layer_ids(self) -> list[int]:
         return self.config.target_layer_ids
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    @property
+    def window(self) -> int | None:
+        """The draft window set on every layer (None: each layer as its checkpoint says)."""
+        return self.config.draft_window
+
+    def set_window(self, window: int | None, name: str = "sliding_window_size") -> None:
+        """Bound every layer's context to the last ``window`` positions (None: back to the
+        checkpoint's own windows). Caches made afterwards hold at most ``window - 1`` rows;
+        ``GenerationConfigError`` naming ``name`` for a window that is not an integer of at
+        least one block."""
+        if window is not None:
+            check_window(window, self.block_size, name)
+            window = int(window)
+        self.config.draft_window = window
+        for layer, kind in zip(self.layers, self.layer_types()):
+            attn = layer.self_attn
+            attn.sliding_window = self.config.layer_window(kind)
+            attn.block_causal = _block_causal(self.config, kind, attn.sliding_window)
+
+    def make_cache(self) -> list:
+        """One context cache per layer: a layer with a window keeps only the ``window - 1``
+        positions a block's anchor can see (:class:`~dflash.dflash2.WindowCache`)."""
+        return [KVCache() if layer.self_attn.sliding_window is None
+                else WindowCache(layer.self_attn.sliding_window - 1) for layer in self.layers]
 
     def project_context(self, taps: mx.array) -> mx.array:
         """Concatenated target layer outputs ``(B, T, n_taps*hidden)`` -> context rows."""
@@ -438,11 +494,20 @@ class DFlashDraftModel(nn.Module):
             self._head_cut = cached
         return cached[2], cached[3]
 
-    def append_context(self, taps: mx.array, cache: list[KVCache]) -> None:
-        """Add target features of newly committed tokens to the drafter's context cache."""
-        context = self.project_context(taps)
-        for layer, layer_cache in zip(self.layers, cache):
-            layer_cache.update_and_fetch(*layer.self_attn.context_kv(context, layer_cache.offset))
+    def append_context(self, taps: mx.array, cache: list) -> None:
+        """Add target features of newly committed tokens to the drafter's context cache.
+
+        Rows that fall out of a bounded layer's window before any block sees them are skipped
+        (a long prompt projects only the rows some layer keeps)."""
+        n = taps.shape[1]
+        keep = [min(n, c.size) if isinstance(c, WindowCache) else n for c in cache]
+        first = n - max(keep)
+        context = self.project_context(taps[:, first:] if first else taps)
+        for layer, layer_cache, k in zip(self.layers, cache, keep):
+            if k < n:
+                layer_cache.skip(n - k)
+            rows = context[:, context.shape[1] - k:] if k < context.shape[1] else context
+            layer_cache.update_and_fetch(*layer.self_attn.context_kv(rows, layer_cache.offset))
 
     def __call__(self, block_embeds: mx.array, cache: list[KVCache]) -> mx.array:
         """Hidden states (after the final norm) of one block that starts right after the context.
@@ -456,7 +521,8 @@ class DFlashDraftModel(nn.Module):
             ctx_keys, ctx_values = layer_cache.keys_and_values()
             n_context = ctx_keys.shape[2]  # a bounded cache holds the last rows only
             if isinstance(layer_cache, RaggedKVCache):
-                mask = _ragged_block_mask(layer_cache, x.shape[1], attn.sliding_window)
+                mask = _ragged_block_mask(layer_cache, x.shape[1], attn.sliding_window,
+                                          attn.block_causal)
             else:
                 mask = block_mask(n_context, x.shape[1], attn.sliding_window,
                                   attn.block_causal, block_start, block_start - n_context)
@@ -509,21 +575,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         return [kind] * self.config.num_hidden_layers
 
     def make_cache(self) -> DFlash2Cache:
-        window = self.config.sliding_window
-        return DFlash2Cache(KVCache() if window is None else WindowCache(window - 1)
-                            for _ in self.layers)
-
-    def append_context(self, taps: mx.array, cache: list) -> None:
-        """As v1, but rows that fall out of the window before any block sees them are skipped
-        (a long prompt projects only its last ``window - 1`` rows)."""
-        window = self.config.sliding_window
-        n = taps.shape[1]
-        skip = 0 if window is None else max(n - (window - 1), 0)
-        context = self.project_context(taps[:, skip:])
-        for layer, layer_cache in zip(self.layers, cache):
-            if skip:
-                layer_cache.skip(skip)
-            layer_cache.update_and_fetch(*layer.self_attn.context_kv(context, layer_cache.offset))
+        return DFlash2Cache(super().make_cache())
 
     def block_scores(self, target, anchor: int, block_len: int,
                      cache: list) -> tuple[mx.array, None]:
@@ -616,14 +668,19 @@ def load_draft(path_or_repo: str | Path, sliding_window_size: int | None = None,
                dtype: mx.Dtype | None = None) -> DFlashDraftModel:
     """Load a DFlash drafter: Hugging Face bf16 safetensors or an MLX-quantized checkpoint.
 
-    ``sliding_window_size`` overrides the window of the config's sliding layers. On the CPU backend
-    the drafter is dequantized and computed in float32 (see :mod:`dflash.backend`).
+    ``sliding_window_size``: the draft window, tokens of target context every layer attends to
+    (each block query sees the positions fewer than this many behind it; the drafter's context
+    cache keeps ``window - 1`` rows per layer); it replaces the window of the config's sliding
+    layers and bounds its full-attention layers too. ``None``: the window the checkpoint was
+    trained with (``dflash_config.draft_window``), else each layer as its config says. On the CPU
+    backend the drafter is dequantized and computed in float32 (see :mod:`dflash.backend`).
     """
     path = resolve_path(path_or_repo)
     raw = read_config(path)
     cfg = DFlashConfig.from_dict(raw, source=str(path / "config.json"))
     if sliding_window_size is not None:
-        cfg.sliding_window = int(sliding_window_size)
+        check_window(sliding_window_size, cfg.block_size)
+        cfg.draft_window = int(sliding_window_size)
     quantization = raw.get("quantization") or raw.get("quantization_config")
     weights = drafter_weights(read_weights(path))
     model = build_draft(cfg, weights, str(path), quantization)

@@ -15,8 +15,10 @@ right-ragged instead:
   every row is rotated at its own positions without touching mlx-lm.
 
 The mlx-lm attention modules call it through ``update_and_fetch`` and the model's mask through
-``make_mask``, like any mlx-lm cache. Sliding windows are not supported (the engine falls back
-to one sequence at a time for such targets).
+``make_mask``, like any mlx-lm cache. Sliding windows are not supported for targets (the engine
+falls back to one sequence at a time for such targets); a windowed drafter's context window is a
+mask (:meth:`RaggedKVCache.context_mask`): each row sees its last positions, while the batch's
+buffer keeps every row's whole context.
 
 A sequence moves between a batch and its own ordinary caches (``KVCache``, ``ArraysCache``):
 :meth:`RaggedKVCache.add_cache` makes one a new row, :meth:`RaggedKVCache.only_row` hands a
@@ -87,10 +89,18 @@ class RaggedKVCache:
         last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
         return mx.arange(end)[None, None, None, :] <= last
 
-    def context_mask(self) -> mx.array:
-        """``(B, 1, 1, end)``: which of :meth:`keys_and_values`' slots each row owns."""
+    def context_mask(self, n: int = 1, window: int | None = None) -> mx.array:
+        """``(B, 1, n, end)``: which of :meth:`keys_and_values`' slots each row owns, as seen by
+        ``n`` queries at positions ``lengths[b] ..``; with a ``window`` (a windowed drafter's),
+        only the slots fewer than ``window`` positions behind each query."""
         end = max(self.lengths)
-        return mx.arange(end)[None, None, None, :] < self.offset[:, None, None, None]
+        slots = mx.arange(end)[None, None, None, :]
+        length = self.offset[:, None, None, None]
+        owned = slots < length
+        if window is None:
+            return mx.broadcast_to(owned, (self.batch, 1, n, end))
+        queries = length + mx.arange(n)[None, None, :, None]
+        return owned & (queries - slots < window)
 
     # -- rows join and leave ----------------------------------------------------------------
 
@@ -109,8 +119,16 @@ class RaggedKVCache:
         self.set_lengths(self.lengths + [length])
 
     def add_cache(self, cache: KVCache) -> None:
-        """A sequence's own ``KVCache`` becomes a new row."""
-        self.add(cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :])
+        """A sequence's own ``KVCache`` becomes a new row. A bounded cache (a windowed drafter's
+        :class:`~dflash.dflash2.WindowCache`, its last rows only) is padded in front to its
+        positions: the slots it dropped are outside the window, hidden by :meth:`context_mask`."""
+        keys, values = cache.keys_and_values()
+        keys, values = keys[..., :cache.offset, :], values[..., :cache.offset, :]
+        dropped = cache.offset - keys.shape[2]
+        if dropped:
+            pad = [(0, 0), (0, 0), (dropped, 0), (0, 0)]
+            keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+        self.add(keys, values)
 
     def only_row(self) -> KVCache:
         """The batch's one row as an ordinary ``KVCache`` (sharing its buffer); the batch is

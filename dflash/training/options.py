@@ -56,6 +56,11 @@ class TrainOptions:
     sliding_window: int | None = option(
         None, "DFlash2: attention window of every layer (default: 2048 from scratch, the v1 "
         "drafter's own with --init-from)")
+    draft_window: int | None = option(
+        None, "train with the draft window it will run with: each block sees at most the last N "
+        "positions of its context, in every layer (v1 and dflash2; >= --block-size); written to "
+        "the drafter's config, so it runs with that window unless told another (default: none, "
+        "the whole context)")
     layers: int = option(1, "drafter layers (default 1)")
     block_size: int = option(16)
     taps: str | None = option(
@@ -169,6 +174,11 @@ class TrainOptions:
             for name in ("conv_group_size", "selector_rank", "selector_top_k"):
                 if getattr(self, name) < 1:
                     raise TrainConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.draft_window is not None and (
+                not isinstance(self.draft_window, int) or isinstance(self.draft_window, bool)
+                or self.draft_window < self.block_size):
+            raise TrainConfigError(f"--draft-window {self.draft_window!r}: must be an integer >= "
+                                   f"--block-size ({self.block_size})")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise TrainConfigError(f"--sliding-window {self.sliding_window}: must be >= 2")
         if self.lr_schedule == "cpu" and self.cpu_budget is None:

@@ -121,6 +121,8 @@ class Trainer:
             if o.vocab == "data" and v1 is not None and v1.config.draft_vocab_ids is not None:
                 # keep what the v1 drafter may propose: its first proposals stay its own
                 vocab_ids = np.union1d(vocab_ids, v1.config.draft_vocab_ids).astype(np.int64)
+            if o.draft_window is not None:  # trained with the window it will run with
+                self.cfg_dict["dflash_config"]["draft_window"] = int(o.draft_window)
         self.cfg = DFlashConfig.from_dict(self.cfg_dict)
         self.taps = self.cfg.target_layer_ids
         self.gamma = o.gamma or default_gamma(self.cfg.block_size)
