@@ -52,6 +52,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter folder or repo id (default: the built-in drafter)")
 
 
+def add_draft_window_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="tokens of target context the drafter attends to (its context cache "
+                        "keeps at most N - 1 rows per layer, flat however long the context; at "
+                        "least the block size). Output is unchanged; only proposals differ "
+                        "(default: the drafter's own, usually the whole context)")
+
+
+def load_pair_for(args: argparse.Namespace) -> Pair:
+    """The pair ``--model``/``--draft`` name, its drafter bounded by ``--draft-window``."""
+    window = getattr(args, "draft_window", None)
+    if window is not None and window < 1:
+        raise CLIError(f"--draft-window {window}: must be >= 1", code=2)
+    pair = load_pair(args.model, args.draft, log=log)
+    if window is not None:
+        pair.draft.set_window(window, "--draft-window")
+    return pair
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
@@ -293,7 +312,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise CLIError("the prompt is empty", code=2)
-    pair = load_pair(args.model, args.draft, log=log)
+    pair = load_pair_for(args)
     ids = encode(pair, {"prompt": prompt}, args)
     check_context(pair, len(ids))
     from .speculative import stream_generate
@@ -334,7 +353,7 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    pair = load_pair(args.model, args.draft, log=log)
+    pair = load_pair_for(args)
     from .lookup import ContinuationIndex
     from .prompt_cache import PromptCache
     from .speculative import stream_generate
@@ -444,6 +463,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"--block-size {args.block_size}: must be >= 2", code=2)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CLIError(f"--max-concurrency {args.max_concurrency}: must be >= 1", code=2)
+    if args.draft_window is not None and args.draft_window < 1:
+        raise CLIError(f"--draft-window {args.draft_window}: must be >= 1", code=2)
     if args.index_budget is not None and args.index_budget < 1:
         raise CLIError(f"--index-budget {args.index_budget}: must be a positive number of "
                        "tokens", code=2)
@@ -461,7 +482,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            block_size=args.block_size, max_queue=args.max_queue,
                            max_concurrency=args.max_concurrency, reasoning=args.reasoning,
                            pair_memory=args.pair_memory, api_keys=keys, share=args.share, **kv_kwargs(args),
-                           index_budget=args.index_budget or DEFAULT_BUDGET)
+                           index_budget=args.index_budget or DEFAULT_BUDGET,
+                           draft_window=args.draft_window)
     run(server, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -484,6 +506,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.tau or args.bound:  # drafters side by side / what the drafter allows at most
         from . import bound, tau
 
+        if args.draft_window is not None:
+            raise CLIError("--draft-window: not with --tau or --bound (they load their own "
+                           "drafters)", code=2)
+
         return (tau if args.tau else bound).run_from_args(args, log)
     if args.concurrency is not None:
         if args.concurrency < 1:
@@ -495,7 +521,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, max_tokens=args.max_tokens, limit=args.limit,
             chat_template=not args.no_chat_template, system=args.system,
             template_kwargs=template_kwargs(args), policy=args.policy,
-            warmup=not args.no_warmup, log=log, max_batch=args.max_batch)
+            warmup=not args.no_warmup, log=log, max_batch=args.max_batch,
+            pair=None if args.draft_window is None else load_pair_for(args))
         print(format_concurrency(result), flush=True)
         if args.out is not None:
             out = Path(args.out)
@@ -519,7 +546,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed, chat_template=not args.no_chat_template, system=args.system,
         template_kwargs=template_kwargs(args), limit=args.limit, out=args.out, log=log,
         min_confidence=args.min_confidence, policy=args.policy, tree_budget=args.tree_budget,
-        lookup=not args.no_lookup, pair_memory=args.pair_memory, kv=kv_kwargs(args))
+        lookup=not args.no_lookup, pair_memory=args.pair_memory, kv=kv_kwargs(args),
+        pair=None if args.draft_window is None else load_pair_for(args))
     print(format_summary(result), flush=True)
     return 0
 
@@ -529,7 +557,7 @@ def _bench_contexts(args: argparse.Namespace) -> int:
     from .contexts import format_context_summary, parse_contexts, plot_contexts, run_context_bench
 
     lengths = parse_contexts(args.context)  # before any model is loaded
-    pair = load_pair(args.model, args.draft, log=log)
+    pair = load_pair_for(args)
     result = run_context_bench(
         lengths, pair=pair, prompts=args.prompts, max_tokens=args.max_tokens, limit=args.limit,
         say=log, lookup_off=True, repeats=args.repeats, block_sizes=args.block_size,
@@ -580,7 +608,7 @@ def _bench_trace(args: argparse.Namespace) -> int:
         block_size=block_size, policy=args.policy, tree_budget=args.tree_budget,
         min_confidence=args.min_confidence, limit=args.limit,
         chat_template=not args.no_chat_template, template_kwargs=template_kwargs(args),
-        out=args.out, log=log)
+        out=args.out, log=log, pair=None if args.draft_window is None else load_pair_for(args))
     print(format_trace_summary(result), flush=True)
     return 0 if result["identical"] else 1
 
@@ -688,6 +716,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_prompt_args(p)
     add_sampling_args(p)
     add_kv_args(p)
+    add_draft_window_arg(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, stats) instead of streaming")
     p.add_argument("--no-speedup-estimate", action="store_true",
@@ -700,6 +729,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_prompt_args(p)
     add_sampling_args(p, max_tokens=1024)
     add_kv_args(p)
+    add_draft_window_arg(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no statistics after each answer")
     p.set_defaults(func=cmd_chat)
 
@@ -709,6 +739,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_model_args(p)
     add_serve_args(p)
     add_kv_args(p)
+    add_draft_window_arg(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure the speed-up over plain mlx-lm decoding",
@@ -749,6 +780,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "--concurrency 1 --max-batch 4 compares one client through the batched "
                         "engine with the single-sequence engine")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
+    add_draft_window_arg(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="(default 0)")
     p.add_argument("--top-p", type=float, default=1.0)

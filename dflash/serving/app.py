@@ -469,7 +469,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   pair_memory: str | None = None, api_keys: list[str] | None = None,
                   share: str = "key", index_budget: int = DEFAULT_BUDGET,
                   kv_bits: int | None = None, kv_group_size: int = 64,
-                  quantized_kv_start: int = 0) -> Server:
+                  quantized_kv_start: int = 0,
+                  draft_window: int | None = None) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
@@ -482,6 +483,10 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     (one sequence at a time: ``max_concurrency`` 1).
     """
     keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
+    if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
+        from ..drafter import check_window
+
+        check_window(draft_window, 1, "draft_window")
     kv = KVQuantization.from_settings(kv_bits, kv_group_size, quantized_kv_start)
     if kv is not None:
         if max_concurrency is not None and max_concurrency > 1:
@@ -498,7 +503,13 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                                      "pip install 'dflash[serve]'") from None
     from .metrics import Metrics
 
-    worker = Worker(lambda: load_pair(model, draft, log=None if quiet else log), Metrics(),
+    def load():
+        pair = load_pair(model, draft, log=None if quiet else log)
+        if draft_window is not None:  # tokens of context the drafter attends to
+            pair.draft.set_window(draft_window, "draft_window")
+        return pair
+
+    worker = Worker(load, Metrics(),
                     max_queue=max_queue, max_concurrency=max_concurrency,
                     max_context=max_context, block_size=block_size,
                     pair_memory=pair_memory, scopes=scopes).start()
