@@ -39,14 +39,16 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def launch_server(target, draft, log: Path, *extra: str):
-    """``dflash serve`` on a free port (``extra``: more options); yields its base URL and process."""
+    """``dflash serve`` on a free port (``extra``: more options); yields its base URL and process.
+
+    ``target`` None: no model arguments (the built-in pair under its own name, access log on)."""
     port = _free_port()
     env = dict(os.environ, PYTHONIOENCODING="utf-8", PYTHONUNBUFFERED="1")
+    pair = [] if target is None else ["--model", str(target), "--draft", str(draft),
+                                      "--served-model-name", MODEL_NAME, "--log-level", "warning"]
     with log.open("w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash", "serve", "--model", str(target), "--draft",
-             str(draft), "--port", str(port), "--served-model-name", MODEL_NAME,
-             "--log-level", "warning", *extra],
+            [sys.executable, "-m", "dflash", "serve", *pair, "--port", str(port), *extra],
             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
