@@ -433,6 +433,25 @@ def test_forced_function_call_streamed_and_not(client, loaded_pair):
     assert events[2].item.call_id == call.call_id
 
 
+@pytest.mark.slow
+def test_a_stored_response_is_found_only_with_the_key_that_made_it(tiny_pair, tmp_path):
+    from test_server import MODEL_NAME, launch_server
+
+    target, draft = tiny_pair(KIND)
+    with launch_server(target, draft, tmp_path / "server.log", "--api-key", "key-a",
+                       "--api-key", "key-b") as s:
+        a, b = (openai.OpenAI(base_url=s["base"] + "/v1", api_key=k, max_retries=0,
+                              timeout=120) for k in ("key-a", "key-b"))
+        first = a.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
+        assert a.responses.create(model=MODEL_NAME, previous_response_id=first.id,
+                                  input="More", max_output_tokens=2).previous_response_id \
+            == first.id
+        with pytest.raises(openai.BadRequestError) as e:
+            b.responses.create(model=MODEL_NAME, previous_response_id=first.id, input="More",
+                               max_output_tokens=2)
+        assert e.value.body["param"] == "previous_response_id"
+
+
 # ---------------------------------------------------------------------------------------------
 # The built-in pair (real weights) makes a real call, and answers its output
 
