@@ -119,10 +119,10 @@ class WindowCache:
     """Context keys/values of the last ``size`` positions (``window - 1``: all a block's anchor
     can see). ``offset`` counts every position ever added, as mlx-lm's caches do.
 
-    The rows live in a buffer of ``size + slack`` rows: an append writes in place and the oldest
-    rows are dropped only when the buffer is full, so the window is copied once per ``slack``
-    appended rows rather than on every append, and memory stays flat however long the context
-    grows. ``keys`` / ``values`` are the rows in the window, oldest first (contiguous positions
+    The rows live in a buffer of at most ``size + slack`` rows (grown in steps up to that): an
+    append writes in place and the oldest rows are dropped only when the buffer is full, so the
+    window is copied once per ``slack`` appended rows rather than on every append, and memory
+    stays flat however long the context grows. ``keys`` / ``values`` are the rows in the window, oldest first (contiguous positions
     ``offset - len .. offset - 1``).
     """
 
@@ -155,7 +155,10 @@ class WindowCache:
             return self.keys_and_values()
         if self._keys is None or self.used + n > self._keys.shape[2]:
             kept = min(self.used, self.size - n)  # the rows still in the window after this append
-            rows = self.size + self.slack
+            # grown in steps while the context is shorter than the window, as mlx-lm's caches are
+            need = kept + n
+            rows = (self.size + self.slack if need + self.slack >= self.size
+                    else -(-need // self.max_slack) * self.max_slack)
             new_k = mx.zeros((*keys.shape[:2], rows, keys.shape[3]), keys.dtype)
             new_v = mx.zeros((*values.shape[:2], rows, values.shape[3]), values.dtype)
             if kept:

@@ -299,3 +299,18 @@ def test_train_option_is_checked():
 
     with pytest.raises(TrainConfigError, match="--draft-window"):
         TrainOptions(target="t", data="x", out="o", block_size=8, draft_window=4).check()
+
+
+def test_window_cache_copies_once_per_slack_rows():
+    """Once the window is full, appends write in place: the buffer is re-laid (the window copied)
+    only when its slack is used up."""
+    c = WindowCache(300)
+    relaid = 0
+    for i in range(1000):
+        before = c.used
+        c.update_and_fetch(mx.full((1, 1, 1, 1), float(i)), mx.full((1, 1, 1, 1), float(i)))
+        relaid += c.used != before + 1
+        assert c.keys.shape[2] == min(i + 1, 300)
+        assert c._keys.shape[2] <= 300 + 256
+    assert relaid <= 1000 // 256 + 1
+    assert np.array(c.keys)[0, 0, [0, -1], 0].tolist() == [700, 999]
