@@ -25,8 +25,8 @@ from dflash.serving.requests import ServedModel
 from dflash.serving.responses_format import (
     ResponseStore,
     ResponseStream,
-    _tools,
     input_messages,
+    parse_response_tools,
     parse_responses_request,
     response_body,
 )
@@ -105,12 +105,12 @@ def test_function_tools_are_checked_and_hosted_tools_ignored():
     codex = [WEATHER, {"type": "web_search", "external_web_access": False},
              {"type": "namespace", "name": "multi_agent_v1", "tools": []},
              {**WEATHER, "name": "get_time", "strict": False}]
-    spec, echo = _tools(codex, "auto")
+    spec, echo = parse_response_tools(codex, "auto")
     assert [t["function"]["name"] for t in spec.tools] == ["get_weather", "get_time"]
     assert [(t["name"], t["strict"]) for t in echo] == [("get_weather", True),
                                                         ("get_time", False)]
-    assert _tools(codex, NAMED)[0].choice == "get_weather"
-    assert _tools([{"type": "web_search"}], None) == (None, [])
+    assert parse_response_tools(codex, NAMED)[0].choice == "get_weather"
+    assert parse_response_tools([{"type": "web_search"}], None) == (None, [])
     for tools, choice, param in [
             ([{"type": "web_search"}, {**WEATHER, "parameters": {"type": "array"}}], "auto",
              "tools[1].parameters.type"),
@@ -124,7 +124,7 @@ def test_function_tools_are_checked_and_hosted_tools_ignored():
             ([WEATHER], {"type": "function", "name": "other"}, "tool_choice.name"),
             ([WEATHER], {"type": "web_search"}, "tool_choice.type"),
             ([WEATHER], "sometimes", "tool_choice")]:
-        assert rejected(_tools, tools, choice).param == param, (tools, choice)
+        assert rejected(parse_response_tools, tools, choice).param == param, (tools, choice)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,9 @@ def test_requests_are_read_like_chats_and_bad_fields_named(tokenizer, served):
                          {"role": "user", "content": "Hi"}], None, {}, tokenizer, served)
     assert req.prompt_ids == same.prompt_ids and req.tools is None
     assert req.settings.max_tokens == 5 and req.stream and req.store is None
+    body.pop("max_output_tokens")  # none: to the end of the context, as OpenAI's API does
+    assert parse_responses_request(body, tokenizer, served).settings.max_tokens == \
+        served.max_context - len(same.prompt_ids)
     assert req.echo["instructions"] == "Answer in French." and req.echo["store"] is False
     base = {"model": "tiny", "input": "Hi"}
     for extra, param in [({"max_output_tokens": 0}, "max_output_tokens"),

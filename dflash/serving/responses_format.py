@@ -17,6 +17,10 @@ the server kept (``store`` true, OpenAI's default); the store is in memory and b
 (``ResponseStore``), so an old id can be forgotten and is then a 400 naming the field. ``store:
 false`` (what Codex sends) keeps nothing.
 
+Without ``max_output_tokens`` an answer may run to the end of the context, as on OpenAI's API
+(not ``--default-max-tokens``): Codex sends no limit and reports an answer cut short
+(``incomplete``) as an error, where a tool call writing a whole file easily outgrows a default.
+
 Fields are checked where they change the answer; fields about accounting, caching or OpenAI's
 platform (``include``, ``prompt_cache_key``, ``client_metadata``, ``reasoning``, ...) and fields
 this server does not know are accepted and ignored, each logged once. Hosted tools
@@ -46,7 +50,7 @@ from .requests import (
     ignore_unknown,
     parse_checked_tools,
 )
-from .tools import AnswerSplitter, check_function, parse_arguments
+from .tools import AnswerSplitter, ToolSpec, check_function, parse_arguments
 
 # Fields read here (EXTENSIONS: the server's own settings, as on the other endpoints).
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
@@ -196,7 +200,7 @@ def input_messages(items, known_calls: set[str]) -> list[dict]:
     return out
 
 
-def _tools(tools, tool_choice) -> tuple:
+def parse_response_tools(tools, tool_choice) -> tuple[ToolSpec | None, list[dict]]:
     """``tools`` / ``tool_choice`` as a checked ``ToolSpec`` (or ``None``) and their echo."""
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools: must be a list", "tools")
@@ -284,13 +288,17 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
         history = list(found)
     known = {c["id"] for m in history for c in m.get("tool_calls", ())}
     history += input_messages(body["input"], known)
-    spec, tools_echo = _tools(body.get("tools"), body.get("tool_choice"))
+    spec, tools_echo = parse_response_tools(body.get("tools"), body.get("tool_choice"))
     try:
         req = chat_request(_leading_system(history, instructions), spec, {}, tokenizer, served,
                            endpoint="responses")
     except APIError as e:
         raise _bad(e.message.replace("messages:", "input:", 1), "input") from None
-    settings_body = {"max_tokens": body.get("max_output_tokens"),
+    limit = body.get("max_output_tokens")
+    if limit is None and served.max_context is not None \
+            and len(req.prompt_ids) < served.max_context:
+        limit = served.max_context - len(req.prompt_ids)  # OpenAI's: to the end of the context
+    settings_body = {"max_tokens": limit,
                      **{k: body[k] for k in ("temperature", "top_p", "top_logprobs",
                                              *EXTENSIONS) if k in body}}
     try:
