@@ -174,6 +174,7 @@ def test_one_keys_text_never_speeds_up_anothers(tiny_pair, tmp_path, concurrency
     assert alone["cached"] == 0
     # The power of the comparison: a shared scope does reuse A's text.
     assert shared["cached"] > 0 and shared["reused_prompt_tokens"] == shared["cached"]
+    assert alone["index_cycles"] == 0 < shared["index_cycles"]  # A's answer, verified for B
     assert [shared[k] for k in SCOPE_STATS] != [alone[k] for k in SCOPE_STATS]
     assert "dflash_index_tokens" in after_a["metrics"]
 
