@@ -101,10 +101,10 @@ def mlx_lm_greedy(model, prompt, n=N_TOKENS, **kv) -> list[int]:
 
 KV_CASES = [  # (kv_bits, quantized_kv_start, prompt tokens, prefill_step_size)
     (8, 0, 40, 2048),  # the switch after the prompt's first call (all but its last token)
-    (4, 0, 40, 16),  # ... after its first chunk
+    pytest.param(4, 0, 40, 16, marks=pytest.mark.slow),  # ... after its first chunk
     (4, 50, 40, 2048),  # the switch mid-decode: verify passes cross it
-    (8, 23, 40, 16),  # the first chunk end at or past the start: 32
-    (4, 0, 1, 2048),  # a one-token prompt: its only call is float
+    pytest.param(8, 23, 40, 16, marks=pytest.mark.slow),  # the first chunk end past the start
+    pytest.param(4, 0, 1, 2048, marks=pytest.mark.slow),  # a one-token prompt: one float call
 ]
 
 
@@ -134,7 +134,7 @@ def test_quantized_reference_is_not_the_float_one(kv_pair):
         mlx_lm_greedy(model, prompt)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_quantized_kv_hybrid_target(bits, kv_pair):
     """Qwen3.5: attention layers quantized, GatedDeltaNet state replayed across a split pass."""
     model, tokenizer, draft = kv_pair("qwen3_5")
@@ -225,7 +225,7 @@ def test_kv_bits_refused_by_the_batched_engine(kv_pair):
 # Rotating (sliding-window) caches
 
 
-@pytest.mark.parametrize("n_prompt", [5, 40])
+@pytest.mark.parametrize("n_prompt", [pytest.param(5, marks=pytest.mark.slow), 40])
 def test_sliding_window_target_exact_past_the_window(n_prompt, kv_pair):
     model, tokenizer, draft = kv_pair("llama_swa")
     assert any(isinstance(c, RotatingKVCache) for c in make_cache(target_parts(model)))
@@ -260,3 +260,66 @@ def test_wrapped_rotating_cache_rolls_back(kv_pair):
     la, _ = forward(parts, nxt, rolled, [])
     lb, _ = forward(parts, nxt, fresh, [])
     assert mx.allclose(la, lb, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in pair, the server, the command line, the KV cost report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
+def test_builtin_pair_quantized_kv_equals_mlx_lm(bits):
+    from dflash.model_mlx import load_default
+
+    model, tokenizer, draft = load_default()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "A baker makes 24 muffins and sells 3 boxes of 4 muffins. "
+                                     "How many muffins are left?"}], add_generation_prompt=True)
+    kv = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0)
+    ref = mlx_lm_greedy(model, prompt, n=64, **kv)
+    eos = set(tokenizer.eos_token_ids)
+    if any(t in eos for t in ref):
+        ref = ref[: next(i for i, t in enumerate(ref) if t in eos)]
+    out = generate(model, draft, tokenizer, prompt, max_tokens=64, **kv)
+    assert out.tokens == ref
+
+
+def test_server_refuses_kv_bits_with_concurrency_before_loading():
+    pytest.importorskip("fastapi")
+    from dflash.errors import ServerConfigError
+    from dflash.serving import create_server
+
+    with pytest.raises(ServerConfigError, match="kv_bits=8.*max_concurrency=2"):
+        create_server("no/such/model", kv_bits=8, max_concurrency=2, quiet=True)
+    with pytest.raises(GenerationConfigError, match="kv_bits=9"):
+        create_server("no/such/model", kv_bits=9, quiet=True)
+
+
+def test_cli_kv_options():
+    from dflash.cli import build_parser, kv_kwargs
+
+    for command in ("generate", "chat", "serve", "bench"):
+        args = build_parser([command]).parse_args(
+            [command, "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "100"])
+        assert kv_kwargs(args) == {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 100}
+        assert kv_kwargs(build_parser([command]).parse_args([command])) == {}
+
+
+def test_cli_bench_kv_bits_only_with_the_prompt_bench(capsys):
+    from dflash.cli import main
+
+    assert main(["bench", "--kv-bits", "8", "--concurrency", "2"]) == 2
+    assert "--kv-bits" in capsys.readouterr().err
+
+
+def test_kv_bytes_per_token_float_and_quantized(kv_pair):
+    from dflash.cli import kv_cost_line
+    from dflash.serving.worker import kv_bytes_per_token
+
+    model, _, _ = kv_pair("llama")
+    # 4 layers, 2 KV heads of 32, keys and values, float32 on the CPU
+    assert kv_bytes_per_token(model) == 4 * 2 * 2 * 32 * 4
+    # 8 bits a value, a float32 scale and bias per 64 values
+    assert kv_bytes_per_token(model, 8) == 4 * 2 * 2 * 32 * (1 + 8 / 64)
+    assert kv_bytes_per_token(model, 4, 32) == 4 * 2 * 2 * 32 * (0.5 + 8 / 32)
+    assert "kv_bits=8" in kv_cost_line(model)
