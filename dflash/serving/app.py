@@ -5,12 +5,13 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, Anthropic's
 not) and ``/v1/messages/count_tokens``,
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). Bad requests get
 an OpenAI-style ``{"error": {...}}`` body (Anthropic's shape on ``/v1/messages``) with a 4xx
-status. With API keys (``--api-key``), every route but ``/health`` needs one (``Authorization:
-Bearer KEY`` or ``x-api-key: KEY``, as the OpenAI and Anthropic clients send them) and a request
-runs in its key's scope (:mod:`.scopes`: whose earlier text its index and prefix cache hold); this is the one place that turns the
-lower layers' exceptions (``QueueFull``, ``GenerationCancelled``, the engine's
-``GenerationConfigError``) into HTTP statuses. A streaming client that disconnects cancels its
-generation at the next cycle and frees the worker.
+status; this is the one place that turns the lower layers' exceptions (``QueueFull``,
+``GenerationCancelled``, the engine's ``GenerationConfigError``) into HTTP statuses. A streaming
+client that disconnects cancels its generation at the next cycle and frees the worker.
+
+With API keys (``--api-key``), every route but ``/`` and ``/health`` needs one (``Authorization:
+Bearer KEY`` or ``x-api-key: KEY``, as the OpenAI and Anthropic clients send them), and a request
+runs in its key's scope (:mod:`.scopes`: whose earlier text its index and prefix cache hold).
 
 FastAPI, uvicorn and prometheus_client are imported only when a server is built
 (``pip install dflash[serve]``).
@@ -475,9 +476,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
     ``pair_memory``: the file the pair's policy memory is read from and saved to (``None``: kept
-    in the server's process only); ``api_keys``: the keys every route but ``/health`` needs
-    (``None``: anyone may use it, as one tenant); ``share``: who shares a continuation index
-    and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
+    in the server's process only); ``api_keys``: the keys every route but ``/`` and
+    ``/health`` needs (``None``: anyone may use it, as one tenant); ``share``: who shares a
+    continuation index and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
     (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds; ``kv_bits``,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
     (one sequence at a time: ``max_concurrency`` 1).

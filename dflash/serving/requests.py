@@ -161,7 +161,7 @@ def parse_checked_tools(tools, tool_choice) -> ToolSpec | None:
         try:
             Draft202012Validator.check_schema(fn["parameters"])
         except SchemaError as e:
-            at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
+            at = "".join(f".{p}" for p in e.path)
             param = f"tools[{i}].function.parameters"
             raise APIError(400, f"{param}{at}: tool {fn['name']!r}: not a valid JSON Schema "
                            f"({e.message})", param=param, code="invalid_value") from None
