@@ -260,7 +260,8 @@ def test_training_mask_is_the_brute_force_one():
 
 
 @pytest.mark.slow
-def test_training_with_a_window(tmp_path):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_training_with_a_window(tmp_path, arch):
     """``--draft-window``: every layer's training mask is the window's, the training forward is
     the engine's forward with that window, and the exported drafter runs with it."""
     from test_train import opts, write_pattern_data
@@ -270,7 +271,8 @@ def test_training_with_a_window(tmp_path):
 
     succ, data = write_pattern_data(tmp_path / "p", 16)
     pattern = {"target": tmp_path / "p" / "target", "data": data}
-    tr = Trainer(opts(pattern, tmp_path / "d", layers=2, steps=3, draft_window=WINDOW))
+    tr = Trainer(opts(pattern, tmp_path / "d", layers=2, steps=3, draft_window=WINDOW, arch=arch,
+                      selector_rank=8, selector_top_k=4))
     assert all(layer.self_attn.sliding_window == WINDOW for layer in tr.draft.layers)
     samples = [tr.samples[0], tr.samples[1]]
     batch = tr.make_batch(samples, np.random.default_rng(0), 6)
