@@ -1,11 +1,12 @@
 """Real agent CLIs from npm against ``dflash serve`` on the built-in pair (slow tier).
 
 A new user's first try: Claude Code in print mode pointed at the server with
-``ANTHROPIC_BASE_URL`` and an API key must answer and exit 0, and the server must have refused
-nothing it sent (no 4xx in its access log: the ``HEAD /`` it sends first without its key, its
+``ANTHROPIC_BASE_URL`` and an API key, and ``codex exec`` through a model provider speaking the
+Responses API, must answer and exit 0, and the server must have refused nothing they sent (no 4xx in its access log: the ``HEAD /`` it sends first without its key, its
 ``max_tokens`` of 32,000 beyond the context, its newest request fields). Claude Code's own system
 prompt and tool list do not fit the built-in target's 8,192 positions, hence ``--bare``,
-``--system-prompt`` and ``--tools ""``. Tool-call round trips are tested through the SDKs
+``--system-prompt`` and ``--tools ""``; Codex's are cut by its config (docs/agents.md, "Fitting
+the built-in target"). Tool-call round trips are tested through the SDKs
 (test_server_agents.py). The CLIs are installed with npm under ``$DFLASH_HOME/npm`` (``.ci/run``
 does it); without npm or a network the tests skip, saying why.
 """
@@ -102,4 +103,118 @@ def test_claude_code_answers_in_print_mode(builtin_server, tmp_path):
     assert r.returncode == 0, f"stdout: {r.stdout}\nstderr: {r.stderr}\nserver log:\n{log}"
     assert r.stdout.strip(), r.stderr
     assert "POST /v1/messages" in log  # it did ask this server
+    assert not refused(log), "\n".join(refused(log))
+
+
+# ---------------------------------------------------------------------------------------------
+# Codex (OpenAI's Responses API)
+
+# Codex's own instructions (~21,000 characters) and tools (~19,000) make a first request of
+# about 6,500 tokens on the built-in target: it fits 8,192 positions but leaves little for a
+# second turn. These settings cut it to about 1,100: short instructions, no permissions or
+# environment text, no web search, no shell, sub-agent, goal, app, plugin or image tools.
+CODEX_CONFIG = """\
+model = "{model}"
+model_provider = "dflash"
+model_instructions_file = "{instructions}"
+include_permissions_instructions = false
+include_environment_context = false
+web_search = "disabled"
+
+[features]
+shell_tool = false
+goals = false
+apps = false
+plugins = false
+image_generation = false
+skill_search = false
+
+[agents]
+enabled = false
+
+[model_providers.dflash]
+name = "dflash"
+base_url = "{base}/v1"
+wire_api = "responses"
+env_key = "DFLASH_API_KEY"
+"""
+
+
+def test_codex_exec_answers_and_resumes_through_the_responses_api(builtin_server, tmp_path):
+    codex = agent_cli("@openai/codex", "codex")
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    instructions = home / "instructions.md"
+    instructions.write_text("You are a helpful assistant. Answer briefly.\n")
+    (home / "config.toml").write_text(CODEX_CONFIG.format(
+        model=builtin_server["model"], instructions=instructions, base=builtin_server["base"]))
+    env = cli_env(tmp_path / "home", CODEX_HOME=str(home), DFLASH_API_KEY=KEY)
+    log_path = Path(builtin_server["log"])
+    before = log_path.read_text().count('"POST /v1/responses HTTP/1.1" 200')
+    runs = []
+    # A first turn, then the same session resumed: the second request replays the history
+    # (Codex's own message items, ids and all) before the new prompt.
+    for k, turn in enumerate((["Say hi"], ["resume", "--last", "Now say bye"])):
+        last = tmp_path / f"last-message-{k}.txt"
+        runs.append((last, subprocess.run(
+            [codex, "exec", "--skip-git-repo-check", "--sandbox", "read-only", "--color",
+             "never", "-C", str(tmp_path), "-o", str(last), *turn],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+            stdin=subprocess.DEVNULL)))
+    log = log_path.read_text()
+    for last, r in runs:
+        report = (f"{r.args[-1]!r}: exit {r.returncode}\nstderr: {r.stderr[-3000:]}\n"
+                  f"server log:\n{log}")
+        assert r.returncode == 0, report
+        assert last.read_text().strip(), report
+    assert log.count('"POST /v1/responses HTTP/1.1" 200') - before == 2, log
+    assert not refused(log), "\n".join(refused(log))
+
+
+CODEX_INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence.\n"
+CODEX_CONFIG = """\
+model = "{model}"
+model_provider = "dflash"
+model_instructions_file = "{instructions}"
+include_permissions_instructions = false
+include_environment_context = false
+web_search = "disabled"
+
+[model_providers.dflash]
+name = "dflash"
+base_url = "{base}/v1"
+wire_api = "responses"
+env_key = "DFLASH_API_KEY"
+
+[features]
+shell_tool = false
+goals = false
+apps = false
+plugins = false
+image_generation = false
+skill_search = false
+
+[agents]
+enabled = false
+"""
+
+
+def test_codex_exec_answers_through_the_responses_api(builtin_server, tmp_path):
+    codex = agent_cli("@openai/codex", "codex")
+    codex_home = tmp_path / "codex"
+    codex_home.mkdir()
+    instructions = codex_home / "instructions.md"
+    instructions.write_text(CODEX_INSTRUCTIONS)
+    (codex_home / "config.toml").write_text(CODEX_CONFIG.format(
+        model=builtin_server["model"], instructions=instructions, base=builtin_server["base"]))
+    env = cli_env(tmp_path / "home", CODEX_HOME=str(codex_home), DFLASH_API_KEY=KEY)
+    work = tmp_path / "work"
+    work.mkdir()
+    r = subprocess.run([codex, "exec", "--skip-git-repo-check", "--sandbox", "read-only",
+                        "Say hi"], env=env, cwd=work, capture_output=True, text=True,
+                       timeout=600, stdin=subprocess.DEVNULL)
+    log = Path(builtin_server["log"]).read_text()
+    assert r.returncode == 0, f"stdout: {r.stdout}\nstderr: {r.stderr}\nserver log:\n{log}"
+    assert r.stdout.strip(), r.stderr
+    assert "POST /v1/responses" in log
     assert not refused(log), "\n".join(refused(log))
