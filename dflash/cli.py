@@ -101,11 +101,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
 
 def add_kv_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target KV cache (mlx-lm's options)")
-    g.add_argument("--kv-bits", type=int, default=None, metavar="BITS",
+    # (dflash.target.KV_BITS and KV_GROUP_SIZES; checked here, before any model loads)
+    g.add_argument("--kv-bits", type=int, default=None, metavar="BITS", choices=(2, 3, 4, 5, 6, 8),
                    help="quantize the target's KV cache to BITS (2, 3, 4, 5, 6 or 8; default: "
                         "float); greedy output is mlx-lm's with the same settings "
                         "(docs/long-context.md)")
-    g.add_argument("--kv-group-size", type=int, default=64,
+    g.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="group size of the KV quantization (32, 64 or 128; default 64)")
     g.add_argument("--quantized-kv-start", type=int, default=0, metavar="TOKENS",
                    help="quantize once the context holds TOKENS tokens (default 0: after the "

@@ -323,3 +323,16 @@ def test_kv_bytes_per_token_float_and_quantized(kv_pair):
     assert kv_bytes_per_token(model, 8) == 4 * 2 * 2 * 32 * (1 + 8 / 64)
     assert kv_bytes_per_token(model, 4, 32) == 4 * 2 * 2 * 32 * (0.5 + 8 / 32)
     assert "kv_bits=8" in kv_cost_line(model)
+
+
+def test_cli_refuses_bad_kv_values_before_loading(capsys):
+    from dflash.cli import build_parser
+    from dflash.target import KV_BITS, KV_GROUP_SIZES
+
+    parser = build_parser(["generate"])
+    for option, good, bad in (("--kv-bits", KV_BITS, 7), ("--kv-group-size", KV_GROUP_SIZES, 48)):
+        for value in good:
+            parser.parse_args(["generate", option, str(value)])
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["generate", option, str(bad)])
+        assert e.value.code == 2 and option in capsys.readouterr().err
