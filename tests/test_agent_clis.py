@@ -2,8 +2,9 @@
 
 A new user's first try: Claude Code in print mode pointed at the server with
 ``ANTHROPIC_BASE_URL`` and an API key, and ``codex exec`` through a model provider speaking the
-Responses API, must answer and exit 0, and the server must have refused nothing they sent (no 4xx in its access log: the ``HEAD /`` it sends first without its key, its
-``max_tokens`` of 32,000 beyond the context, its newest request fields). Claude Code's own system
+Responses API, must answer and exit 0, and the server must have refused nothing they sent (no
+4xx in its access log: Claude Code's ``HEAD /`` without its key, its ``max_tokens`` of 32,000
+beyond the context, the newest request fields of both). Claude Code's own system
 prompt and tool list do not fit the built-in target's 8,192 positions, hence ``--bare``,
 ``--system-prompt`` and ``--tools ""``; Codex's are cut by its config (docs/agents.md, "Fitting
 the built-in target"). Tool-call round trips are tested through the SDKs
