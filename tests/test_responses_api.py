@@ -14,8 +14,6 @@ it answers with a real call that is then fed back as a ``function_call_output``.
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -459,14 +457,9 @@ def test_a_stored_response_is_found_only_with_the_key_that_made_it(tiny_pair, tm
 # The built-in pair (real weights) makes a real call, and answers its output
 
 
-def client_errors(log: Path) -> list[str]:
-    """The access-log lines of the server's 4xx answers."""
-    return [line for line in log.read_text().splitlines()
-            if re.search(r'HTTP/[\d.]+" 4\d\d ', line)]
-
-
 @pytest.fixture(scope="module")
 def builtin(tmp_path_factory):
+    """``dflash serve`` with no model arguments: the built-in pair, its access log on."""
     from test_server import launch_server
 
     with launch_server(None, None, tmp_path_factory.mktemp("builtin") / "server.log") as s:
@@ -487,6 +480,8 @@ def test_builtin_pair_calls_a_function_and_answers_its_output(builtin):
     """Real weights: the call comes from the model (the prompt holds only its name, as
     ``tool_choice`` asks), its output goes back by ``previous_response_id``, and the answer is a
     well-formed message; once more streamed, through the SDK's stream helper."""
+    from test_agent_clis import refused
+
     client = openai.OpenAI(base_url=builtin["base"] + "/v1", api_key="unused", max_retries=0,
                            timeout=300)
     r = client.responses.create(model="dflash", input=SHOWN, tools=[WEATHER], tool_choice=NAMED,
@@ -506,4 +501,4 @@ def test_builtin_pair_calls_a_function_and_answers_its_output(builtin):
         final = stream.get_final_response()
     assert final.status == "completed" and "".join(deltas) == final.output_text
     assert final.output_text == answer.output_text  # the same conversation, greedy
-    assert client_errors(builtin["log"]) == []
+    assert refused(builtin["log"].read_text()) == []
