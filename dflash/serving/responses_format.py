@@ -22,10 +22,10 @@ Without ``max_output_tokens`` an answer may run to the end of the context, as on
 (``incomplete``) as an error, where a tool call writing a whole file easily outgrows a default.
 
 Fields are checked where they change the answer; fields about accounting, caching or OpenAI's
-platform (``include``, ``prompt_cache_key``, ``client_metadata``, ``reasoning``, ...) and fields
-this server does not know are accepted and ignored, each logged once. Hosted tools
-(``web_search``, ``namespace``, ``custom``, ...) are ignored the same way: Codex sends them with
-every request, and a model served here cannot run them.
+platform (``include``, ``prompt_cache_key``, ``client_metadata``, ``reasoning``, ...) are accepted
+and ignored, and fields this server does not know are ignored too, each logged once. Hosted tools
+(``web_search``, ``namespace``, ``custom``, ...) are ignored and logged once per type: Codex sends
+them with every request, and a model served here cannot run them.
 """
 
 from __future__ import annotations
