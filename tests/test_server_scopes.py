@@ -168,15 +168,18 @@ def test_one_keys_text_never_speeds_up_anothers(tiny_pair, tmp_path, concurrency
     alone = _b_after(tiny_pair, tmp_path, "key", False, *extra)
     after_a = _b_after(tiny_pair, tmp_path, "key", True, *extra)
     shared = _b_after(tiny_pair, tmp_path, "all", True, *extra)
-    assert alone["text"] == after_a["text"] == shared["text"]  # exact whatever the scope
+    nobody = _b_after(tiny_pair, tmp_path, "none", True, *extra)
+    assert alone["text"] == after_a["text"] == shared["text"] == nobody["text"]  # exact
     for name in (*SCOPE_STATS, "cached"):
         assert after_a[name] == alone[name], (name, alone, after_a)
+        assert nobody[name] == alone[name], (name, alone, nobody)
     assert alone["cached"] == 0
     # The power of the comparison: a shared scope does reuse A's text.
     assert shared["cached"] > 0 and shared["reused_prompt_tokens"] == shared["cached"]
     assert alone["index_cycles"] == 0 < shared["index_cycles"]  # A's answer, verified for B
     assert [shared[k] for k in SCOPE_STATS] != [alone[k] for k in SCOPE_STATS]
     assert "dflash_index_tokens" in after_a["metrics"]
+    assert "dflash_index_tokens 0.0" in nobody["metrics"]
 
 
 @pytest.mark.slow
