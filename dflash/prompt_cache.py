@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from .target import TargetParts, make_cache
 
@@ -42,6 +42,10 @@ class PromptCache:
         while common < limit and self.tokens[common] == prompt[common]:
             common += 1
         keep = common
+        if any(isinstance(c, RotatingKVCache) and c.offset > keep and not c.is_trimmable()
+               for c in self.target):
+            # A wrapped sliding-window cache no longer holds the rows before its window.
+            return self._fresh(parts, draft, owner)
         recurrent = [i for i, c in enumerate(self.target) if isinstance(c, ArraysCache)]
         if recurrent and keep < len(self.tokens):
             keep = max((n for n in self.snapshots if n <= common), default=0)

@@ -336,3 +336,21 @@ def test_cli_refuses_bad_kv_values_before_loading(capsys):
         with pytest.raises(SystemExit) as e:
             parser.parse_args(["generate", option, str(bad)])
         assert e.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_prompt_cache_on_a_wrapped_rotating_cache(kv_pair):
+    """A later prompt that shares only part of what a wrapped rotating cache held cannot trim
+    back to the shared prefix (the rows before the window are gone): it prefills afresh, and the
+    output stays mlx-lm's; one that extends everything cached reuses it."""
+    from dflash.prompt_cache import PromptCache
+
+    model, tokenizer, draft = kv_pair("llama_swa")
+    first = prompt_of(tokenizer, 40)
+    cache = PromptCache()
+    out = generate(model, draft, tokenizer, first, max_tokens=12, prompt_cache=cache)
+    assert out.tokens == mlx_lm_greedy(model, first, n=12)
+    for second in (first[:30] + prompt_of(tokenizer, 20)[5:15],  # diverges inside the cache
+                   first + out.tokens + first[:9]):  # extends it
+        ref = mlx_lm_greedy(model, second, n=24)
+        assert generate(model, draft, tokenizer, second, max_tokens=24,
+                        prompt_cache=cache).tokens == ref
