@@ -321,7 +321,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     responses = stream_generate(
         pair.model, pair.draft, pair.tokenizer, ids,
         prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
-        **generation_kwargs(args))
+        **agreed(generation_kwargs(args)))
     text, tokens, last = [], [], None
     for r in responses:
         text.append(r.text)
@@ -354,6 +354,7 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    single_process_only("dflash chat")
     pair = load_pair_for(args)
     from .lookup import ContinuationIndex
     from .prompt_cache import PromptCache
@@ -454,6 +455,7 @@ def chat_stats(totals: dict, last: dict | None) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load, then serve until Ctrl-C."""
+    single_process_only("dflash serve")
     for name in ("port", "default_max_tokens", "max_queue"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise CLIError(f"--{name.replace('_', '-')} {getattr(args, name)}: out of range",
@@ -490,6 +492,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if (args.trace is not None or args.tau or args.bound or args.concurrency is not None
+            or args.context is not None):
+        single_process_only("dflash bench with --trace, --tau, --bound, --concurrency or --context")
     from .bench import (
         format_concurrency,
         format_summary,
@@ -851,6 +856,34 @@ def _store_learnt_costs() -> None:
         costs.flush_all()
 
 
+# Commands that run a pair loaded by load_pair, sharded under mlx.launch (dflash.distributed).
+SHARDED_COMMANDS = ("generate", "chat", "serve", "bench", "calibrate")
+
+
+def agreed(settings: dict) -> dict:
+    """Generation settings every rank of a sharded launch decides alike under (unchanged when
+    not launched; :func:`dflash.distributed.agreed_settings`)."""
+    from . import distributed
+
+    return distributed.agreed_settings(distributed.join(), settings)
+
+
+def single_process_only(what: str) -> None:
+    """Refuse, on every rank alike, what does not run on a sharded target yet."""
+    from . import distributed
+
+    if distributed.launched() and distributed.join().distributed:
+        raise CLIError(f"{what} does not run on a target sharded over ranks yet (generate and "
+                       "bench do; docs/distributed.md)", code=2)
+
+
+def _errors():
+    """stderr, or the real one on a rank whose output :mod:`dflash.distributed` dropped."""
+    from .distributed import error_stream
+
+    return error_stream()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     for stream in (sys.stdout, sys.stderr):  # model text and "τ" on a non-UTF-8 terminal
@@ -869,6 +902,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = f"{PROG} {args.command}"
     debug = env_flag("DFLASH_DEBUG")
+    if args.command in SHARDED_COMMANDS:  # under mlx.launch: rank 0 prints, the others fail aloud
+        from .distributed import quiet_other_ranks
+
+        rank = quiet_other_ranks()
+        name = f"{name} (rank {rank})" if rank else name
     try:
         configure()  # before any command imports mlx.core: OpenBLAS is bound as MLX loads
         rc = func(args)
@@ -886,12 +924,12 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         if debug:
             raise
-        print(f"{name}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        print(f"{name}: error: {one_line(e)}", file=_errors(), flush=True)
         return e.code
     except (DFlashError, FileNotFoundError, ValueError, OSError, KeyError) as e:
         if debug:
             raise
-        print(f"{name}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        print(f"{name}: error: {one_line(e)}", file=_errors(), flush=True)
         return 1
 
 

@@ -90,6 +90,7 @@ def load_pair(model: str | None = None, draft: str | None = None,
 
     ``log`` receives progress lines (``None``: silent).
     """
+    from . import distributed
     from .drafter import load_draft
     from .target import check_compatible, target_parts
     from .target import load_target as load
@@ -99,9 +100,15 @@ def load_pair(model: str | None = None, draft: str | None = None,
     draft = check_model_path(str(draft), "--draft")
     say = log or (lambda message: None)
     tic = time.perf_counter()
+    ranks = distributed.join()  # under mlx.launch: the target sharded over the ranks
+    if ranks.distributed:
+        distributed.check_same_files(ranks, model, draft)
+        distributed.check_shardable(model, ranks.size)
+        say(distributed.describe(ranks))
     say(f"loading target {model} ...")
     try:
-        target, tokenizer = load(model)
+        target, tokenizer = (distributed.load_target(model, ranks) if ranks.distributed
+                             else load(model))
     except Exception as e:  # mlx-lm raises many kinds; the user needs the option and the reason
         raise ModelLoadError(f"--model {model}: cannot load it as an mlx-lm model "
                              f"({one_line(e)})") from None

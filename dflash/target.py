@@ -61,6 +61,7 @@ class TargetParts:
     norm: nn.Module
     lm_head: nn.Module | None  # None: tied embeddings
     sliding_window: int | None = None
+    head_group: object | None = None  # the ranks the head's vocabulary is split over, if any
 
     @property
     def num_layers(self) -> int:
@@ -81,6 +82,10 @@ class TargetParts:
     def head_rows(self, ids: mx.array | None = None) -> mx.array:
         """Float rows ``ids`` (default: all) of the output head, dequantized when quantized."""
         layer = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if self.head_group is not None:
+            raise UnsupportedTargetError(
+                "the target's output head is split over ranks: a drafter with draft_vocab_ids "
+                "(or a conversion) needs the whole head on one process")
         if ids is None:
             ids = slice(None)
         if hasattr(layer, "scales"):
@@ -93,6 +98,10 @@ class TargetParts:
         """Logits from final-normed hidden states (the target's own head, tied or not)."""
         if self.lm_head is None:
             return self.embed_tokens.as_linear(hidden)
+        if self.head_group is not None:  # each rank holds a slice of the vocabulary (mlx-lm's)
+            from mlx_lm.models.base import gather_last_axis
+
+            return gather_last_axis(self.lm_head(hidden), self.head_group)
         return self.lm_head(hidden)
 
 
@@ -118,6 +127,7 @@ def target_parts(model: nn.Module) -> TargetParts:
         model=model, embed_tokens=inner.embed_tokens, layers=list(inner.layers), norm=inner.norm,
         lm_head=getattr(owner, "lm_head", None),
         sliding_window=getattr(inner, "sliding_window", None),
+        head_group=getattr(owner, "sharding_group", None) if hasattr(owner, "lm_head") else None,
     )
 
 
@@ -329,7 +339,9 @@ def _gated_delta_forward(mod: nn.Module, x: mx.array, cache: ArraysCache,
         trace.deltas[layer_idx] = DeltaTrace(conv_input, q, k, v, a, b, state0,
                                                 mod.A_log, mod.dt_bias)
     out = mod.norm(out, z)
-    return mod.out_proj(out.reshape(B, S, -1))
+    out = mod.out_proj(out.reshape(B, S, -1))
+    group = getattr(mod, "sharding_group", None)  # tensor-parallel (dflash.distributed)
+    return out if group is None else mx.distributed.all_sum(out, group=group)
 
 
 def forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[int],

@@ -1,0 +1,302 @@
+"""A target sharded over ``mx.distributed``: DFlash across two to four machines.
+
+Started under ``mlx.launch`` (``mlx.launch -n 2 --backend ring python -m dflash generate ...``),
+every rank loads the target with mlx-lm's own tensor-parallel sharding (``sharded_load`` and the
+model class's ``shard()``: llama, qwen3 and qwen3_5; nothing here splits a weight itself) and the
+whole drafter. Started without it (or with one rank) everything runs unsharded, as always; a launch
+of one rank says so once.
+
+Why tensor-parallel and not pipeline: the drafter reads the outputs of chosen target layers. Under
+tensor parallelism every decoder layer ends with an all-sum (its ``o_proj``/``down_proj``/
+``out_proj`` are "sharded-to-all"), so the hidden state after each layer is the full one and the
+same on every rank: dflash's own layer walk (:func:`dflash.target.forward`) taps it unchanged, the
+verify pass, acceptance and roll-back (GatedDeltaNet states included: each rank replays its own
+heads' recurrence) run identically everywhere. Under mlx-lm's pipeline split a rank holds only its
+stage's layers, so the taps of the other stages would need extra sends each pass and dflash's walk
+would have to take mlx-lm's send/recv schedule; that is not built (:func:`check_shardable` says so).
+
+Why the drafter runs on every rank: its block pass is small (one or a few layers over the block's
+rows), and given identical inputs (the tapped hidden states and tokens, identical on every rank) it
+computes identical proposals everywhere with no communication at all; the ranks run it in
+parallel, so it costs no more wall time than on one rank. Computing it on rank 0 and broadcasting
+the proposals would add one collective per cycle (a latency the link charges whatever the size)
+while the other ranks idle. What this needs: the same MLX, mlx-lm and dflash on every rank and the
+same checkpoints (compared at start, :func:`check_same_files`), and plans that do not depend on
+one rank's clock: the ``auto`` and ``tree`` policies price passes with this machine's measured
+timings, which differ between ranks, so a sharded run verifies with ``fixed`` (the default here)
+or ``confidence`` (:func:`agreed_settings`). Sampling draws from a seeded generator; an unseeded
+sampled run takes rank 0's seed on every rank, so every rank draws the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .console import say_once
+from .errors import GenerationConfigError, ModelLoadError, UnsupportedTargetError
+from .training.distributed import Ranks, init_ranks
+
+# mlx-lm model modules whose tensor-parallel shard() dflash's layer walk runs unchanged.
+TENSOR_PARALLEL = ("llama", "qwen3", "qwen3_5")
+# Policies whose plans depend only on the tokens and the drafter's outputs (the same on every rank).
+RANK_SAFE_POLICIES = ("fixed", "confidence")
+_LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# Fingerprint reads of each checkpoint file: its head and tail and evenly spaced chunks between.
+_CHUNK = 1 << 20
+_CHUNKS = 8
+
+
+def launched() -> bool:
+    """Whether this process was started by ``mlx.launch`` (or ``mpirun``), without joining it."""
+    return any(v in os.environ for v in _LAUNCH_VARS)
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (0 when not launched), without joining it."""
+    for v in _LAUNCH_VARS:
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return 0
+
+
+def join() -> Ranks:
+    """The ranks of this launch (one rank when not launched; a launch of one rank says so once)."""
+    found = init_ranks()
+    if not found.distributed and launched():
+        say_once("distributed-one-rank",
+                 "a launch of one rank: the target runs unsharded on this process")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# What mlx-lm can shard
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def model_family(path: str | Path) -> str:
+    """The mlx-lm model module that loads ``path`` (``llama``, ``qwen3``, ...)."""
+    from mlx_lm.utils import load_config
+
+    config = load_config(Path(path))
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, _ = _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedTargetError(f"--model {path}: {e}") from None
+    return model_class.__module__.rsplit(".", 1)[-1]
+
+
+def check_shardable(path: str | Path, size: int) -> None:
+    """Raise ``UnsupportedTargetError`` naming the family or the head count when mlx-lm cannot
+    split the target at ``path`` over ``size`` ranks the way dflash runs it (tensor-parallel)."""
+    from mlx_lm.utils import load_config
+
+    family = model_family(path)
+    config = _text_config(load_config(Path(path)))
+    supported = ", ".join(TENSOR_PARALLEL)
+    if family not in TENSOR_PARALLEL:
+        raise UnsupportedTargetError(
+            f"--model {path}: model family {family!r} cannot be sharded for speculative decoding; "
+            f"supported: {supported} (mlx-lm's tensor-parallel sharding; mlx-lm's "
+            "pipeline-parallel split is not supported: the drafter reads hidden states of "
+            "layers every rank must hold)")
+    counts = {"num_attention_heads": config.get("num_attention_heads"),
+              "intermediate_size": config.get("intermediate_size")}
+    kv = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    if family == "qwen3_5":
+        counts.update(linear_num_key_heads=config.get("linear_num_key_heads"),
+                      linear_num_value_heads=config.get("linear_num_value_heads"))
+        if not config.get("tie_word_embeddings", True):
+            counts["vocab_size"] = config.get("vocab_size")
+        if kv and kv < size and size % kv:  # mlx-lm repeats KV heads when there are fewer
+            counts["num_key_value_heads"] = kv
+        elif kv and kv >= size:
+            counts["num_key_value_heads"] = kv
+    else:
+        counts["num_key_value_heads"] = kv
+    for name, value in counts.items():
+        if value and value % size:
+            raise UnsupportedTargetError(
+                f"--model {path}: {name}={value} is not divisible by {size} ranks; mlx-lm's "
+                f"tensor-parallel sharding ({family}) splits it evenly over the ranks "
+                f"(supported: {supported} with every split count divisible by the rank count)")
+
+
+def load_target(path: str | Path, ranks: Ranks) -> tuple:
+    """The target at ``path`` sharded over ``ranks`` by mlx-lm's ``sharded_load`` (tensor
+    parallel), ready for this machine's backend, and its tokenizer."""
+    from mlx_lm.utils import sharded_load
+
+    from . import backend
+
+    backend.configure()
+    check_shardable(path, ranks.size)
+    model, tokenizer = sharded_load(str(path), tensor_group=ranks.group)
+    backend.prepare_for_backend(model)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rank loads the same files
+
+
+def file_digest(path: Path) -> bytes:
+    """A 16-byte fingerprint of one file: its size, its first and last MiB and evenly spaced MiB
+    between (a whole file when small). Reading every byte of a many-gigabyte checkpoint on every
+    rank at each start would cost minutes; a different export or a partial copy differs here."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= (_CHUNKS + 2) * _CHUNK:
+            h.update(f.read())
+        else:
+            for start in np.linspace(0, size - _CHUNK, _CHUNKS + 2).astype(np.int64):
+                f.seek(int(start))
+                h.update(f.read(_CHUNK))
+    return h.digest()
+
+
+def folder_digests(path: str | Path, option: str) -> dict[str, bytes]:
+    """``"--model config.json"``-style names to fingerprints for the checkpoint files of a model
+    folder (a Hugging Face repo id: its name, the files are fetched per rank)."""
+    p = Path(path)
+    if not p.is_dir():
+        return {f"{option} {path}": hashlib.blake2b(str(path).encode(), digest_size=16).digest()}
+    wanted = (".safetensors", ".json", ".gguf", ".npz", ".model", ".tiktoken", ".jinja")
+    return {f"{option} {f.name}": file_digest(f) for f in sorted(p.iterdir())
+            if f.is_file() and f.name.endswith(wanted)}
+
+
+def software_digests() -> dict[str, bytes]:
+    """The versions whose arithmetic must agree for the ranks to draft and decide identically."""
+    from importlib.metadata import version
+
+    names = {}
+    for package in ("mlx", "mlx-lm", "dflash"):
+        try:
+            text = version(package)
+        except Exception:  # not installed as a distribution (a source checkout)
+            text = "unknown"
+        names[f"{package} version"] = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return names
+
+
+def _rows(table: dict[str, bytes]) -> np.ndarray:
+    """One int32 row per entry: 16 bytes of the name's hash, then the 16-byte fingerprint."""
+    rows = [np.frombuffer(hashlib.blake2b(name.encode(), digest_size=16).digest() + digest,
+                          dtype=np.int32) for name, digest in table.items()]
+    return np.stack(rows) if rows else np.zeros((0, 8), dtype=np.int32)
+
+
+def mismatches(tables: list[np.ndarray], names: dict[bytes, str]) -> list[str]:
+    """What each rank's table (``_rows``) disagrees on with rank 0's, as readable lines."""
+    def as_dict(table):
+        return {row[:4].tobytes(): row[4:].tobytes() for row in table if row.any()}
+
+    first, found = as_dict(tables[0]), []
+    for r, table in enumerate(tables[1:], start=1):
+        other = as_dict(table)
+        for key in sorted(set(first) | set(other)):
+            label = names.get(key, "a file rank 0 does not name")
+            if key not in other:
+                found.append(f"rank {r} lacks {label}")
+            elif key not in first:
+                found.append(f"rank {r} has {label}, rank 0 does not")
+            elif first[key] != other[key]:
+                found.append(f"rank {r} has a different {label} than rank 0")
+    return found
+
+
+def check_same_files(ranks: Ranks, model: str | Path, draft: str | Path) -> None:
+    """Compare the fingerprints of the target's and the drafter's checkpoint files (and the
+    software versions) across the ranks: one all-gather; ``ModelLoadError`` naming the rank and
+    the file where they differ, raised on every rank."""
+    if not ranks.distributed:
+        return
+    import mlx.core as mx
+
+    table = {**software_digests(), **folder_digests(model, "--model"),
+             **folder_digests(draft, "--draft")}
+    names = {hashlib.blake2b(n.encode(), digest_size=16).digest(): n for n in table}
+    rows = _rows(table)
+    width = ranks.from_max(len(rows))
+    padded = np.zeros((width, 8), dtype=np.int32)
+    padded[:len(rows)] = rows
+    every = np.array(mx.distributed.all_gather(mx.array(padded), group=ranks.group))
+    found = mismatches(np.split(every, ranks.size), names)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ModelLoadError(f"the ranks load different checkpoints: {found[0]}{more}; every rank "
+                             "must load the same --model and --draft files")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions every rank takes alike
+
+
+def agreed_settings(ranks: Ranks, settings: dict) -> dict:
+    """Generation ``settings`` (``stream_generate`` keywords) every rank decides alike under.
+
+    The verify policy defaults to ``fixed`` (``confidence`` when ``min_confidence`` is given);
+    a policy that plans from this machine's timings is refused (ranks would verify different
+    row counts and their collectives would no longer pair up). Without a seed, rank 0's seed is
+    taken by every rank.
+    """
+    if not ranks.distributed:
+        return settings
+    out = dict(settings)
+    policy = out.get("policy")
+    if policy is None:
+        policy = "fixed" if out.get("min_confidence") is None else "confidence"
+    if policy not in RANK_SAFE_POLICIES:
+        raise GenerationConfigError(
+            f"policy={policy!r}: a sharded target verifies with {' or '.join(RANK_SAFE_POLICIES)} "
+            "(this policy plans from one machine's measured timings, which differ between ranks)")
+    out["policy"] = policy
+    if out.get("seed") is None:
+        mine = int.from_bytes(os.urandom(4), "little") >> 1
+        out["seed"] = ranks.from_main(mine)
+    return out
+
+
+class _Discard:
+    """A text stream that drops what is written (the other ranks' copies of rank 0's output)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def quiet_other_ranks() -> int:
+    """Under a launch, let only rank 0 print: the others' stdout and stderr are dropped (their
+    errors still reach ``sys.__stderr__``, see :func:`error_stream`). Returns this rank."""
+    rank = launch_rank()
+    if launched() and rank != 0:
+        sys.stdout = _Discard()
+        sys.stderr = _Discard()
+    return rank
+
+
+def error_stream():
+    """Where a command's error line goes: stderr, on every rank."""
+    return sys.__stderr__ if isinstance(sys.stderr, _Discard) else sys.stderr
+
+
+def describe(ranks: Ranks) -> str:
+    """One line for the log: how the target is split."""
+    return f"target sharded tensor-parallel over {ranks.size} ranks (this is rank {ranks.rank})"

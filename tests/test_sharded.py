@@ -1,0 +1,255 @@
+"""A target sharded over two ranks (``mlx.launch -n 2 --backend ring`` on localhost).
+
+Each test starts one launch of this file as a worker (``python tests/test_sharded.py worker ...``)
+or of ``python -m dflash ...``: both ranks load the same tiny even-headed fixture with mlx-lm's
+tensor-parallel sharding. The reference for greedy output is mlx-lm's own generation of the same
+sharded model in the same launch (tensor parallelism reorders float sums, so one process is not
+it). The pure pieces of :mod:`dflash.distributed` (fingerprints, shardability, agreed settings)
+are tested in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+# Seconds per launch: each takes well under a minute on an idle two-core machine; a loaded one
+# (other jobs on the same cores) can take minutes.
+LAUNCH_TIMEOUT = 300
+
+
+def launch(*command: str, timeout: int = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    """``command`` on two ranks of the ring backend on localhost."""
+    launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        pytest.skip("mlx.launch is not on PATH")
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    # A session of its own, so that a launch past its time is ended with both of its ranks.
+    proc = subprocess.Popen([launcher, "-n", "2", "--backend", "ring", sys.executable, *command],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=root, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def untied_hybrid(root: Path) -> Path:
+    """The qwen3_5 fixture with its own output head: mlx-lm splits the head's vocabulary over
+    the ranks and gathers the logits (dflash's head must gather them too)."""
+    import mlx.core as mx
+    import tiny_models
+
+    target = tiny_models.write_target(root, "qwen3_5")
+    config = json.loads((target / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    weights = mx.load(str(target / "model.safetensors"))
+    embed = weights["language_model.model.embed_tokens.weight"]
+    mx.random.seed(5)
+    weights["language_model.lm_head.weight"] = mx.random.normal(embed.shape) * embed.std()
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """``runs(kind)``: both ranks' worker results for a dense (qwen3) or hybrid (qwen3_5, its
+    head split over the ranks) fixture, one launch each, once per module."""
+    import tiny_models
+
+    root, done = tmp_path_factory.mktemp("sharded"), {}
+
+    def runs(kind: str) -> tuple[list[dict], Path, Path]:
+        if kind not in done:
+            target = (untied_hybrid(root / kind / "target") if kind == "qwen3_5"
+                      else tiny_models.write_target(root / kind / "target", kind))
+            draft = tiny_models.write_drafter(root / kind / "draft", target, taps=(0, 2))
+            done[kind] = worker_results(root / kind, target, draft), target, draft
+        return done[kind]
+
+    return runs
+
+
+def worker_results(tmp_path: Path, target: Path, draft: Path) -> list[dict]:
+    out = tmp_path / "worker"
+    run = launch(__file__, "worker", str(target), str(draft), str(out))
+    # mlx.launch may exit 0 when a rank failed: the answer is the files both ranks wrote
+    assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file() for r in range(2)), \
+        run.stderr[-3000:]
+    return [json.loads((out.with_suffix(f".{r}.json")).read_text()) for r in range(2)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_two_ranks_match_mlx_lm_sharded(kind, two_rank_runs):
+    ranks, _, _ = two_rank_runs(kind)
+    for r, got in enumerate(ranks):
+        assert got["size"] == 2 and got["rank"] == r
+        assert got["sharded"], "the target was not sharded"
+        assert got["taps_equal"], "tapped hidden states differ between the ranks"
+        assert got["dflash_greedy"] == got["mlx_lm_greedy"], f"rank {r}"
+        assert got["dflash_penalised"] == got["mlx_lm_penalised"], f"rank {r}"
+        assert got["sampled"][0] == got["sampled"][1], "a seeded sampled run did not reproduce"
+        assert got["ranks_agree"], "the ranks generated different tokens"
+    assert ranks[0]["dflash_greedy"] == ranks[1]["dflash_greedy"]
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]
+
+
+@pytest.mark.slow
+def test_generate_command_under_launch(two_rank_runs):
+    """``dflash generate`` on two ranks: one JSON answer (rank 0 prints), mlx-lm's tokens."""
+    ranks, target, draft = two_rank_runs("qwen3")
+    run = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
+                 "--prompt", PROMPT, "--no-chat-template", "--max-tokens", "24", "--json",
+                 "--no-speedup-estimate")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, run.stdout
+    assert json.loads(lines[0])["tokens"] == ranks[0]["mlx_lm_greedy"][:24]
+    assert run.stderr.count("sharded tensor-parallel over 2 ranks") == 1, run.stderr
+
+
+@pytest.mark.slow
+def test_launch_refuses_a_timing_policy(two_rank_runs):
+    _, target, draft = two_rank_runs("qwen3")
+    run = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
+                 "--prompt", PROMPT, "--max-tokens", "4", "--policy", "auto")
+    assert "policy='auto': a sharded target verifies with fixed or confidence" in run.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# One process: the pure pieces
+
+
+def test_fingerprint_mismatch_names_rank_and_file(tmp_path):
+    from dflash import distributed
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder, text in (("a", "one"), ("b", "two")):
+        (tmp_path / folder / "config.json").write_text("{}")
+        (tmp_path / folder / "model.safetensors").write_text(text)
+    tables = [distributed._rows(distributed.folder_digests(tmp_path / f, "--model"))
+              for f in ("a", "b")]
+    names = {__import__("hashlib").blake2b(n.encode(), digest_size=16).digest(): n
+             for n in distributed.folder_digests(tmp_path / "a", "--model")}
+    assert distributed.mismatches(tables, names) == [
+        "rank 1 has a different --model model.safetensors than rank 0"]
+    assert distributed.mismatches([tables[0], tables[0][:1]], names) == [
+        "rank 1 lacks --model model.safetensors"]
+    assert distributed.mismatches([tables[0], np.array(tables[0])], names) == []
+
+
+def test_big_file_fingerprint_reads_samples(tmp_path):
+    from dflash import distributed
+
+    big = tmp_path / "w.safetensors"
+    big.write_bytes(b"\0" * (12 << 20))
+    before = distributed.file_digest(big)
+    with open(big, "r+b") as f:
+        f.seek((12 << 20) - 1)
+        f.write(b"\1")
+    assert distributed.file_digest(big) != before  # the tail is read
+
+
+def test_unshardable_targets_are_named(tmp_path):
+    from dflash import distributed
+    from dflash.errors import UnsupportedTargetError
+
+    def folder(name, **config):
+        p = tmp_path / name
+        p.mkdir()
+        (p / "config.json").write_text(json.dumps(config))
+        return p
+
+    odd = folder("odd", model_type="llama", num_attention_heads=9, num_key_value_heads=3,
+                 hidden_size=576, intermediate_size=1536)
+    with pytest.raises(UnsupportedTargetError, match="num_attention_heads=9 is not divisible by 2"):
+        distributed.check_shardable(odd, 2)
+    distributed.check_shardable(odd, 3)
+    other = folder("gpt2", model_type="gpt2", n_head=4)
+    with pytest.raises(UnsupportedTargetError, match="'gpt2' cannot be sharded.*llama, qwen3"):
+        distributed.check_shardable(other, 2)
+
+
+def test_settings_unchanged_without_a_launch():
+    from dflash import distributed
+    from dflash.training.distributed import Ranks
+
+    settings = {"policy": None, "seed": None, "min_confidence": None}
+    assert distributed.agreed_settings(Ranks(), settings) is settings
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker both ranks run
+
+
+def _worker(target: str, draft: str, out: str) -> None:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash import distributed
+    from dflash.cli import build_parser, encode
+    from dflash.pair import load_pair
+    from dflash.speculative import stream_generate
+    from dflash.target import forward, make_cache, target_parts
+
+    ranks = distributed.join()
+    pair = load_pair(target, draft)
+    args = build_parser().parse_args(["generate", "--prompt", PROMPT, "--no-chat-template"])
+    ids = encode(pair, {"prompt": PROMPT}, args)
+    parts = target_parts(pair.model)
+
+    def same_everywhere(values) -> bool:
+        mine = mx.array(np.asarray(values, dtype=np.float32).reshape(1, -1))
+        every = np.array(mx.distributed.all_gather(mine, group=ranks.group))
+        return bool((every == every[0]).all())
+
+    _, taps = forward(parts, mx.array(ids)[None], make_cache(parts), pair.draft.target_layer_ids)
+    n = 24
+    reference = [int(t) for t, _ in generate_step(mx.array(ids), pair.model, max_tokens=n)]
+    # A repetition penalty keeps a random-weight target from repeating one token: more varied
+    # greedy tokens to compare.
+    penalised = [int(t) for t, _ in generate_step(
+        mx.array(ids), pair.model, max_tokens=n,
+        logits_processors=make_logits_processors(repetition_penalty=1.5))]
+
+    def run(**settings) -> list[int]:
+        settings = distributed.agreed_settings(ranks, {"max_tokens": n, **settings})
+        return [t for r in stream_generate(pair.model, pair.draft, pair.tokenizer, ids,
+                                           **settings) for t in r.tokens]
+
+    greedy = run()
+    greedy_penalised = run(repetition_penalty=1.5)
+    sampled = [run(temperature=0.8, seed=7), run(temperature=0.8, seed=7)]
+    sharded = any(type(m).__name__.startswith(("AllToSharded", "ShardedToAll"))
+                  for _, m in pair.model.named_modules())
+    result = {"rank": ranks.rank, "size": ranks.size, "taps_equal": same_everywhere(taps),
+              "mlx_lm_greedy": reference, "dflash_greedy": greedy, "mlx_lm_penalised": penalised,
+              "dflash_penalised": greedy_penalised, "sampled": sampled,
+              "ranks_agree": same_everywhere(greedy + sampled[0]), "sharded": sharded}
+    Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # the launcher passes no PYTHONPATH
+    _worker(*sys.argv[2:5])
