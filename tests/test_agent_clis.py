@@ -107,6 +107,63 @@ def test_claude_code_answers_in_print_mode(builtin_server, tmp_path):
     assert not refused(log), "\n".join(refused(log))
 
 
+def _first_request(cli: list[str], env: dict, cwd: Path) -> dict:
+    """The body of the first POST an agent CLI makes to a stand-in server (which answers every
+    POST with a 400, so that the CLI gives up at once)."""
+    import http.server
+    import json
+    import threading
+
+    bodies: list[dict] = []
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # noqa: N802 (http.server's names)
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):  # noqa: N802
+            raw = self.rfile.read(int(self.headers.get("content-length", 0)))
+            if not bodies:
+                bodies.append(json.loads(raw))
+            body = b'{"type": "error", "error": {"type": "invalid_request_error", "message": "x"}}'
+            self.send_response(400)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        subprocess.run(cli, env={**env, "ANTHROPIC_BASE_URL": base}, cwd=cwd,
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    finally:
+        server.shutdown()
+        server.server_close()
+    if not bodies:
+        pytest.fail(f"{cli[0]} sent no request")
+    return bodies[0]
+
+
+def test_claude_codes_own_tool_list_validates(tmp_path):
+    """Claude Code's full tool list (it does not fit the built-in target, so it is checked
+    here without a model): every tool is a valid definition, its schema valid JSON Schema."""
+    from dflash.serving.anthropic_format import _tools
+
+    claude = agent_cli("@anthropic-ai/claude-code", "claude")
+    env = cli_env(tmp_path / "home", ANTHROPIC_API_KEY=KEY)
+    body = _first_request([claude, "-p", "Say hi", "--model", "dflash"], env, tmp_path)
+    tools = body.get("tools") or []
+    assert len(tools) >= 5, sorted(body)  # Read, Edit, Write, Bash, ...
+    spec = _tools(tools, body.get("tool_choice"))
+    assert [t["function"]["name"] for t in spec.tools] == [t["name"] for t in tools]
+
+
 # ---------------------------------------------------------------------------------------------
 # Codex (OpenAI's Responses API)
 
