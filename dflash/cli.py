@@ -629,7 +629,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     pair = load_pair(args.model, args.draft, log=log)
     parts = target_parts(pair.model)
     learned = _learn_from_one_generation(pair, parts, args) if args.compare_learned else None
-    model = costs.calibrate(parts, pair.draft, refresh=args.refresh)
+    kv = None
+    if kv_kwargs(args):
+        from .target import KVQuantization
+
+        kv = KVQuantization.from_settings(**kv_kwargs(args))
+    model = costs.calibrate(parts, pair.draft, refresh=args.refresh, kv=kv)
     if args.refresh:  # its per-ms parts were measured against the old costs
         from .policy.memory import forget_stored
 
@@ -828,6 +833,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "costs next to the calibration's")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="with --compare-learned: tokens of that generation (default 256)")
+    add_kv_args(p)
     p.set_defaults(func=cmd_calibrate)
 
     chosen = _chosen_command(argv or [])

@@ -413,8 +413,9 @@ def machine_id() -> dict:
             "cores": os.cpu_count(), "blas": backend.blas_status}
 
 
-def cost_key(parts, draft) -> str:
-    """A hash of the shapes and dtypes that decide the cost of a pass."""
+def cost_key(parts, draft, kv=None) -> str:
+    """A hash of the shapes and dtypes that decide the cost of a pass (``kv``: a quantized target
+    KV cache, :class:`~dflash.target.KVQuantization`, whose passes cost differently)."""
     cfg = draft.config
     desc = {
         "target": type(parts.model).__module__, "layers": parts.num_layers,
@@ -425,6 +426,13 @@ def cost_key(parts, draft) -> str:
         "draft_vocab": len(cfg.draft_vocab_ids) if cfg.draft_vocab_ids else cfg.vocab_size,
         "draft_dtype": str(draft.norm.weight.dtype),
     }
+    if kv is not None:
+        desc["kv"] = [kv.bits, kv.group_size]
+    from .distributed import shard_count
+
+    ranks = shard_count(parts)  # a sharded target's passes cost per rank count
+    if ranks > 1:
+        desc["ranks"] = ranks
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -469,8 +477,9 @@ def _restore(cache: list, saved: list, n: int) -> None:
 
 
 def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
-            rounds: int = 3, quiet: bool = False) -> CostModel:
-    """Time target passes of ``rows`` rows at ``contexts`` and drafter passes of ``draft_rows``."""
+            rounds: int = 3, quiet: bool = False, kv=None) -> CostModel:
+    """Time target passes of ``rows`` rows at ``contexts`` and drafter passes of ``draft_rows``
+    (``kv``: over a target KV cache quantized from the first token)."""
     from .target import forward, make_cache
 
     if not quiet:
@@ -482,7 +491,7 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
     contexts = [c for c in contexts if limit is None or c + most <= limit] or [min(contexts)]
     verify_ms, step_ms, draft_at = [], [], []
     for context in contexts:
-        cache = make_cache(parts)
+        cache = make_cache(parts) if kv is None else make_cache(parts, kv, switch_at=0)
         prompt = (mx.arange(context) % max(2, parts.vocab_size - 1))[None] + 1
         logits, taps = forward(parts, prompt, cache, draft.target_layer_ids)
         mx.eval(logits, [c.state for c in cache])
@@ -523,7 +532,7 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
         draft_at.append(_monotone(_fastest_ms(
             [lambda n=n, d=dcache: mx.eval(draft.block_scores(parts, 1, n, d)[0])
              for n in draft_rows], rounds)))
-    model = CostModel(key=cost_key(parts, draft), machine=machine_id(), rows=list(rows),
+    model = CostModel(key=cost_key(parts, draft, kv), machine=machine_id(), rows=list(rows),
                       contexts=list(contexts), verify_ms=verify_ms, draft_rows=list(draft_rows),
                       draft_ms=draft_at[0], measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
                       step_ms=step_ms, draft_ms_at=draft_at)
@@ -597,29 +606,31 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def calibrate(parts, draft, refresh: bool = False, quiet: bool = False) -> CostModel:
+def calibrate(parts, draft, refresh: bool = False, quiet: bool = False, kv=None) -> CostModel:
     """The measured cost table of this (target, drafter) on this machine (``dflash calibrate``):
-    the stored one, or measured now and stored; from now on it is what the policy prices with."""
-    key = cost_key(parts, draft)
+    the stored one, or measured now and stored; from now on it is what the policy prices with
+    (``kv``: for generations with that quantized target KV cache, which have their own)."""
+    key = cost_key(parts, draft, kv)
     path = calibration_file(key)
     model = None if refresh else _read(path, key)
     if model is None:
-        model = measure(parts, draft, quiet=quiet)
+        model = measure(parts, draft, quiet=quiet, kv=kv)
         try:
             _write_atomic(path, to_json(model))
         except OSError as e:
             say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
                       "keeping it in memory for this process")
-    costs = cost_model(parts, draft)
+    costs = cost_model(parts, draft, kv)
     costs.calibrated = model
     return model
 
 
-def cost_model(parts, draft) -> PassCosts:
+def cost_model(parts, draft, kv=None) -> PassCosts:
     """The pass costs of this (target, drafter) on this machine, at once: the stored calibration
     when there is one, else what decoding has learnt (from the stored learnt costs, or from the
-    prior). One object per pair and process; it never measures anything itself."""
-    key = cost_key(parts, draft)
+    prior). One object per pair, KV cache kind (``kv``) and process; it never measures anything
+    itself."""
+    key = cost_key(parts, draft, kv)
     with _lock:
         costs = _memory.get(key)
         if costs is None:

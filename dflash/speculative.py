@@ -374,7 +374,8 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         cache, dcache, reused = request.target_cache(parts), draft.make_cache(), 0
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
-    cost = cost_model(parts, draft) if policy_class(request.policy).needs_cost else None
+    cost = cost_model(parts, draft, request.kv) if policy_class(request.policy).needs_cost \
+        else None
     state = new_state(parts, draft, request, cache, dcache, cost)
     try:
         yield from _decode(parts, draft, tokenizer, request, state, reused, prompt_cache)
@@ -411,7 +412,7 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                                           memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1),
-                       costs=cost if cost is not None else cost_model(parts, draft))
+                       costs=cost if cost is not None else cost_model(parts, draft, request.kv))
 
 
 def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:

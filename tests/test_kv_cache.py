@@ -354,3 +354,19 @@ def test_prompt_cache_on_a_wrapped_rotating_cache(kv_pair):
         ref = mlx_lm_greedy(model, second, n=24)
         assert generate(model, draft, tokenizer, second, max_tokens=24,
                         prompt_cache=cache).tokens == ref
+
+
+def test_quantized_kv_has_its_own_pass_costs(kv_pair):
+    """Passes over a quantized cache cost differently (quantized attention): the policy prices
+    them with their own costs, measured over a quantized cache by ``calibrate --kv-bits``."""
+    from dflash import cost_model as costs
+
+    model, _, draft = kv_pair("llama")
+    parts = target_parts(model)
+    kv = KVQuantization(8, 32, 0)
+    assert costs.cost_key(parts, draft, kv) != costs.cost_key(parts, draft)
+    assert costs.cost_key(parts, draft, kv) != costs.cost_key(parts, draft, KVQuantization(4, 32))
+    assert costs.cost_model(parts, draft, kv) is not costs.cost_model(parts, draft)
+    table = costs.measure(parts, draft, rows=[1, 2], contexts=[24], draft_rows=[2], rounds=1,
+                          quiet=True, kv=kv)
+    assert table.key == costs.cost_key(parts, draft, kv) and table.verify(2, 24) > 0
