@@ -534,11 +534,14 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
     """Serve until Ctrl-C or SIGTERM; ``ServerStartError`` if it could not listen."""
     import uvicorn
 
+    share = server.worker.scopes.share
+    # Without keys there is one tenant: per key means shared by everybody.
+    shared = SHARED["all" if share == "key" and not server.keys else share]
     log(f"serving `{server.model_name}` at http://{host}:{port}/v1 "
         f"(max context {server.max_context}, max concurrency {server.worker.max_concurrency}, "
         f"queue {server.worker.max_queue}, reasoning split "
         f"{'on' if server.think_tags else 'off'}, {len(server.keys) or 'no'} API "
-        f"key{'' if len(server.keys) == 1 else 's'}, {SHARED[server.worker.scopes.share]}); "
+        f"key{'' if len(server.keys) == 1 else 's'}, {shared}); "
         "Ctrl-C stops")
     warning = open_warning(host, server.keys)
     if warning:
