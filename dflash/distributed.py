@@ -145,6 +145,18 @@ def load_target(path: str | Path, ranks: Ranks) -> tuple:
     return model, tokenizer
 
 
+def shard_count(model) -> int:
+    """Over how many ranks mlx-lm split ``model`` (1: not split): the group its sharded layers
+    reduce over (``AllToShardedLinear``/``ShardedToAllLinear``, a GatedDeltaNet's
+    ``sharding_group``)."""
+    layers = getattr(model, "layers", None) or []
+    for module in (layers[0].modules() if layers else []):
+        group = getattr(module, "group", None) or getattr(module, "sharding_group", None)
+        if group is not None and hasattr(group, "size"):
+            return int(group.size())
+    return 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Every rank loads the same files
 
