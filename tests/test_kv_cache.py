@@ -270,15 +270,17 @@ def test_wrapped_rotating_cache_rolls_back(kv_pair):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [8, 4])
-def test_builtin_pair_quantized_kv_equals_mlx_lm(bits):
+@pytest.mark.parametrize("bits,after_prompt", [(8, None), (4, None), (8, 20)])
+def test_builtin_pair_quantized_kv_equals_mlx_lm(bits, after_prompt):
+    """kv_bits 8 and 4 from the start, and a switch 20 tokens into the answer."""
     from dflash.model_mlx import load_default
 
     model, tokenizer, draft = load_default()
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "A baker makes 24 muffins and sells 3 boxes of 4 muffins. "
                                      "How many muffins are left?"}], add_generation_prompt=True)
-    kv = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0)
+    start = 0 if after_prompt is None else len(prompt) + after_prompt
+    kv = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=start)
     ref = mlx_lm_greedy(model, prompt, n=64, **kv)
     eos = set(tokenizer.eos_token_ids)
     if any(t in eos for t in ref):
