@@ -107,9 +107,10 @@ def test_claude_code_answers_in_print_mode(builtin_server, tmp_path):
     assert not refused(log), "\n".join(refused(log))
 
 
-def _first_request(cli: list[str], env: dict, cwd: Path) -> dict:
+def _first_request(cli, env: dict, cwd: Path) -> dict:
     """The body of the first POST an agent CLI makes to a stand-in server (which answers every
-    POST with a 400, so that the CLI gives up at once)."""
+    POST with a 400, so that the CLI gives up at once). ``cli``: the command line, or a function
+    of the stand-in's base URL that gives it (a CLI configured by a file)."""
     import http.server
     import json
     import threading
@@ -140,13 +141,14 @@ def _first_request(cli: list[str], env: dict, cwd: Path) -> dict:
     thread.start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        subprocess.run(cli, env={**env, "ANTHROPIC_BASE_URL": base}, cwd=cwd,
+        argv = cli(base) if callable(cli) else cli
+        subprocess.run(argv, env={**env, "ANTHROPIC_BASE_URL": base}, cwd=cwd,
                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     finally:
         server.shutdown()
         server.server_close()
     if not bodies:
-        pytest.fail(f"{cli[0]} sent no request")
+        pytest.fail(f"{argv[0]} sent no request")
     return bodies[0]
 
 
@@ -229,3 +231,43 @@ skill_search = false
 [agents]
 enabled = false
 """
+
+
+def test_codexs_own_request_is_read_whole(tmp_path):
+    """Codex's first request with its defaults (the built-in target runs it too slowly on a CPU
+    to test with the model): its function tools are valid definitions and JSON Schema, its hosted
+    tools are ignored, and the whole body makes a prompt that fits the built-in target."""
+    from mlx_lm.utils import load_tokenizer
+
+    from dflash.default_pair import default_target_path
+    from dflash.serving.requests import ServedModel
+    from dflash.serving.responses_format import parse_response_tools, parse_responses_request
+    from dflash.serving.tools import tool_format
+
+    codex = agent_cli("@openai/codex", "codex")
+    home = tmp_path / "codex"
+    home.mkdir()
+
+    def argv(base: str) -> list[str]:  # the provider only: Codex's own defaults otherwise
+        (home / "config.toml").write_text(
+            'model = "dflash"\nmodel_provider = "dflash"\n\n[model_providers.dflash]\n'
+            f'name = "dflash"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
+            'env_key = "DFLASH_API_KEY"\n')
+        return [codex, "exec", "--ephemeral", "--skip-git-repo-check", "--sandbox", "read-only",
+                "Say hi"]
+
+    env = cli_env(tmp_path / "home", CODEX_HOME=str(home), DFLASH_API_KEY=KEY)
+    body = _first_request(argv, env, tmp_path)
+    functions = [t["name"] for t in body.get("tools", ()) if t.get("type") == "function"]
+    assert "exec_command" in functions, sorted(body)
+    spec, _ = parse_response_tools(body["tools"], body.get("tool_choice"))
+    assert [t["function"]["name"] for t in spec.tools] == functions
+    try:
+        target = default_target_path()
+    except Exception as e:  # no built-in target on this machine
+        pytest.skip(f"the built-in target is not available: {e}")
+    tokenizer = load_tokenizer(Path(target))
+    served = ServedModel(name="dflash", path=str(target), vocab_size=tokenizer.vocab_size,
+                         max_context=8192, tool_format=tool_format(tokenizer))
+    req = parse_responses_request(body, tokenizer, served)
+    assert len(req.prompt_ids) < 8192 and req.store is None and req.stream
