@@ -322,6 +322,11 @@ def run_bench(model: str | None = None, draft: str | None = None,
         from .pair import load_pair
 
         pair = load_pair(model, draft, log=log)
+    from . import distributed
+
+    ranks = distributed.join()  # sharded: the policy every rank plans alike with
+    policy = distributed.agreed_settings(
+        ranks, {"policy": policy, "min_confidence": min_confidence, "seed": seed})["policy"]
     sizes = [b or pair.draft.block_size for b in block_sizes]
     sizes = list(dict.fromkeys(sizes))
 
@@ -404,7 +409,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
             "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory, "kv": kv or None,
-            "elapsed_s": elapsed},
+            "elapsed_s": elapsed, "ranks": ranks.size},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
         "pass_costs": pass_costs,  # what the policy priced with; learnt against calibrated
@@ -417,7 +422,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
         bad = [f"{p['id']} (block {r['block_size']}, token {p['first_difference']})"
                for r in result_runs for p in r["prompts"] if p["identical"] is False]
         say("WARNING: greedy outputs differ from mlx-lm's on " + ", ".join(bad))
-    if out is not None:
+    if out is not None and ranks.is_main:
         write_outputs(result, out, log=say)
     return result
 
@@ -545,6 +550,9 @@ def markdown(result: dict) -> str:
 def format_summary(result: dict) -> str:
     """A few lines for the terminal."""
     out = []
+    if result["config"].get("ranks", 1) > 1:
+        out.append(f"target sharded over {result['config']['ranks']} ranks (tensor-parallel); "
+                   "mlx-lm: its own sharded generation in the same launch")
     for r in result["runs"]:
         o = r["overall"]
         priced = f" (priced {o['priced_speedup']:.2f}×)" if o.get("priced_speedup") else ""

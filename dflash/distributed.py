@@ -66,7 +66,12 @@ def launch_rank() -> int:
 
 def join() -> Ranks:
     """The ranks of this launch (one rank when not launched; a launch of one rank says so once)."""
-    found = init_ranks()
+    try:
+        found = init_ranks()
+    except RuntimeError:
+        if not launched():
+            raise
+        found = Ranks()  # mlx.launch -n 1 writes a hostfile MLX's ring backend cannot read
     if not found.distributed and launched():
         say_once("distributed-one-rank",
                  "a launch of one rank: the target runs unsharded on this process")

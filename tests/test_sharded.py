@@ -27,15 +27,17 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 LAUNCH_TIMEOUT = 300
 
 
-def launch(*command: str, timeout: int = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
-    """``command`` on two ranks of the ring backend on localhost."""
+def launch(*command: str, timeout: int = LAUNCH_TIMEOUT, ranks: int = 2
+           ) -> subprocess.CompletedProcess:
+    """``command`` on ``ranks`` ranks of the ring backend on localhost."""
     launcher = shutil.which("mlx.launch")
     if launcher is None:
         pytest.skip("mlx.launch is not on PATH")
     root = Path(__file__).parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     # A session of its own, so that a launch past its time is ended with both of its ranks.
-    proc = subprocess.Popen([launcher, "-n", "2", "--backend", "ring", sys.executable, *command],
+    proc = subprocess.Popen([launcher, "-n", str(ranks), "--backend", "ring", sys.executable,
+                             *command],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=root, start_new_session=True)
     try:
@@ -133,6 +135,27 @@ def test_launch_refuses_a_timing_policy(two_rank_runs):
     run = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
                  "--prompt", PROMPT, "--max-tokens", "4", "--policy", "auto")
     assert "policy='auto': a sharded target verifies with fixed or confidence" in run.stderr
+
+
+@pytest.mark.slow
+def test_bench_under_launch(two_rank_runs):
+    """``dflash bench`` on two ranks: rank 0 prints the speed-up against mlx-lm's sharded
+    generation in the same launch, outputs identical."""
+    _, target, draft = two_rank_runs("qwen3_5")
+    run = launch("-m", "dflash", "bench", "--model", str(target), "--draft", str(draft),
+                 "--limit", "1", "--max-tokens", "12", "--no-chat-template", "--no-warmup")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("target sharded over 2 ranks") == 1, run.stdout
+    assert run.stdout.count("speed-up") == 1 and "identical at T=0: yes" in run.stdout
+
+
+@pytest.mark.slow
+def test_launch_of_one_rank_runs_unsharded(two_rank_runs):
+    _, target, draft = two_rank_runs("qwen3")
+    run = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
+                 "--prompt", PROMPT, "--max-tokens", "4", "--no-speedup-estimate", ranks=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("a launch of one rank: the target runs unsharded") == 1, run.stderr
 
 
 # ---------------------------------------------------------------------------------------------
