@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +307,9 @@ def quiet_other_ranks() -> int:
     if launched() and rank != 0:
         sys.stdout = _Discard()
         sys.stderr = _Discard()
+        # An unexpected failure on this rank still shows its traceback.
+        sys.excepthook = lambda kind, value, tb: traceback.print_exception(
+            kind, value, tb, file=sys.__stderr__)
     return rank
 
 

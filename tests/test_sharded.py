@@ -213,6 +213,21 @@ def test_unshardable_targets_are_named(tmp_path):
         distributed.check_shardable(other, 2)
 
 
+def test_other_ranks_print_only_errors(monkeypatch):
+    from dflash import distributed
+
+    for name in ("stdout", "stderr", "excepthook"):  # restored after the test
+        monkeypatch.setattr(sys, name, getattr(sys, name))
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert distributed.quiet_other_ranks() == 1
+    print("rank 0's output")  # dropped
+    assert distributed.error_stream() is sys.__stderr__
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setattr(sys, "stdout", sys.__stdout__)
+    monkeypatch.setattr(sys, "stderr", sys.__stderr__)
+    assert distributed.quiet_other_ranks() == 0 and distributed.error_stream() is sys.__stderr__
+
+
 def test_settings_unchanged_without_a_launch():
     from dflash import distributed
     from dflash.training.distributed import Ranks
