@@ -354,8 +354,10 @@ CHAT_HELP = "/reset clears the conversation, /stats shows acceptance, /exit quit
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    single_process_only("dflash chat")
+    from . import distributed
+
     pair = load_pair_for(args)
+    ranks = distributed.join()  # sharded: rank 0 reads each line, every rank runs the turn
     from .lookup import ContinuationIndex
     from .prompt_cache import PromptCache
     from .speculative import stream_generate
@@ -373,11 +375,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     totals = {"turns": 0, "tokens": 0, "cycles": 0, "cycle_tokens": 0.0, "time": 0.0,
               "draft": 0.0, "verify": 0.0}
     last_stats: dict | None = None
-    kwargs = generation_kwargs(args)
+    kwargs = agreed(generation_kwargs(args))
     while True:
-        try:
-            line = input(">>> " if interactive else "")
-        except EOFError:
+        line = distributed.text_from_main(ranks, lambda: input(">>> " if interactive else ""))
+        if line is None:
             if interactive:
                 print()
             return 0
@@ -879,8 +880,8 @@ def single_process_only(what: str) -> None:
     from . import distributed
 
     if distributed.launched() and distributed.join().distributed:
-        raise CLIError(f"{what} does not run on a target sharded over ranks yet (generate and "
-                       "bench do; docs/distributed.md)", code=2)
+        raise CLIError(f"{what} does not run on a target sharded over ranks yet (generate, "
+                       "chat and bench do; docs/distributed.md)", code=2)
 
 
 def _errors():

@@ -287,6 +287,32 @@ def agreed_settings(ranks: Ranks, settings: dict) -> dict:
     return out
 
 
+def text_from_main(ranks: Ranks, read) -> str | None:
+    """What ``read()`` returns on rank 0 (``None`` for end of input: ``read`` raised
+    ``EOFError``), on every rank; the other ranks do not call it. Two all-sums: the length, then
+    the bytes."""
+    if not ranks.distributed:
+        try:
+            return read()
+        except EOFError:
+            return None
+    import mlx.core as mx
+
+    data = None
+    if ranks.is_main:
+        try:
+            data = read().encode()
+        except EOFError:
+            data = None
+    size = ranks.from_main(-1 if data is None else len(data))
+    if size < 0:
+        return None
+    mine = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if ranks.is_main \
+        else np.zeros(size, dtype=np.int32)
+    every = np.array(mx.distributed.all_sum(mx.array(mine), group=ranks.group))
+    return every.astype(np.uint8).tobytes().decode()
+
+
 class _Discard:
     """A text stream that drops what is written (the other ranks' copies of rank 0's output)."""
 

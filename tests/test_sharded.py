@@ -27,7 +27,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 LAUNCH_TIMEOUT = 300
 
 
-def launch(*command: str, timeout: int = LAUNCH_TIMEOUT, ranks: int = 2
+def launch(*command: str, timeout: int = LAUNCH_TIMEOUT, ranks: int = 2, stdin: str | None = None
            ) -> subprocess.CompletedProcess:
     """``command`` on ``ranks`` ranks of the ring backend on localhost."""
     launcher = shutil.which("mlx.launch")
@@ -38,10 +38,11 @@ def launch(*command: str, timeout: int = LAUNCH_TIMEOUT, ranks: int = 2
     # A session of its own, so that a launch past its time is ended with both of its ranks.
     proc = subprocess.Popen([launcher, "-n", str(ranks), "--backend", "ring", sys.executable,
                              *command],
+                            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=root, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -147,6 +148,22 @@ def test_bench_under_launch(two_rank_runs):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("target sharded over 2 ranks") == 1, run.stdout
     assert run.stdout.count("speed-up") == 1 and "identical at T=0: yes" in run.stdout
+
+
+@pytest.mark.slow
+def test_chat_under_launch(two_rank_runs):
+    """``dflash chat`` on two ranks: rank 0 reads the lines (mlx.launch copies stdin to every
+    rank and never closes it, so the session ends with /exit), every rank runs each turn; the
+    answer is ``dflash generate``'s on the same launch setup."""
+    _, target, draft = two_rank_runs("qwen3")
+    pair = ("--model", str(target), "--draft", str(draft), "--max-tokens", "12")
+    chat = launch("-m", "dflash", "chat", *pair, "--quiet", stdin="Hello there\n/exit\n")
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    gen = launch("-m", "dflash", "generate", *pair, "--prompt", "Hello there", "--json",
+                 "--no-speedup-estimate")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    answer = json.loads(next(x for x in gen.stdout.splitlines() if x.startswith("{")))["text"]
+    assert chat.stdout == answer + "\n"
 
 
 @pytest.mark.slow
