@@ -40,7 +40,7 @@ import numpy as np
 
 from .console import say_once
 from .errors import GenerationConfigError, ModelLoadError, UnsupportedTargetError
-from .training.distributed import Ranks, init_ranks
+from .ranks import Ranks, init_ranks
 
 # mlx-lm model modules whose tensor-parallel shard() dflash's layer walk runs unchanged.
 TENSOR_PARALLEL = ("llama", "qwen3", "qwen3_5")

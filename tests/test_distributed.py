@@ -22,7 +22,7 @@ from test_train import write_pattern_data
 from tiny_models import write_target
 
 import dflash
-from dflash.training.distributed import Ranks, init_ranks
+from dflash.ranks import Ranks, init_ranks
 
 pytestmark = pytest.mark.slow
 

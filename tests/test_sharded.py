@@ -247,7 +247,7 @@ def test_other_ranks_print_only_errors(monkeypatch):
 
 def test_settings_unchanged_without_a_launch():
     from dflash import distributed
-    from dflash.training.distributed import Ranks
+    from dflash.ranks import Ranks
 
     settings = {"policy": None, "seed": None, "min_confidence": None}
     assert distributed.agreed_settings(Ranks(), settings) is settings

@@ -12,9 +12,9 @@ from pathlib import Path
 from ..console import log
 from ..default_pair import default_target_path
 from ..errors import TrainConfigError
+from ..ranks import init_ranks
 from ..target import load_target as load
 from ..target import target_parts
-from .distributed import init_ranks
 from .features import FeatureStore, precompute_features
 from .options import TrainOptions, add_arguments, from_args
 from .recipe import parse_taps

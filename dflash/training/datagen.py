@@ -15,7 +15,7 @@ refused. ``response_ids`` keep the final stop token: a drafter must learn to end
 restart skips every prompt id already written (a line cut short by an interrupted run is ignored
 and its prompt generated again).
 
-Under ``mlx.launch`` (:mod:`dflash.training.distributed`) each rank generates its own shard of the
+Under ``mlx.launch`` (:mod:`dflash.ranks`) each rank generates its own shard of the
 prompts still to do into its own ``gen-<run>-r<rank>-<worker>.jsonl``. Every rank reads which ids
 are done, then rank 0 writes (or checks) the manifest, and only after a barrier do the others check
 it and anyone write a record, so the ranks agree on the work and never race on the manifest.
@@ -35,13 +35,13 @@ from ..console import log
 from ..default_pair import default_target_path
 from ..errors import DataSetError, DFlashError
 from ..prompts import encode_prompt, read_prompts
+from ..ranks import init_ranks
 from ..target import load_target as load
 from ..target import target_parts
 from ..workers import run_per_core
 from .capture import RolloutEngine
 from .data import Sample, read_records
 from .dataset import FORMAT, check_manifest, save_features, target_fingerprint
-from .distributed import init_ranks
 from .features import FeatureStore
 from .jsonl import open_append
 from .recipe import parse_taps

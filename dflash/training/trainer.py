@@ -6,7 +6,7 @@ the data order (:class:`~dflash.training.data.DataOrder`), the training vocabula
 in their own modules. All state needed to resume is in checkpoints: a resumed run takes the same
 steps, on the same data, with the same numbers as one that never stopped.
 
-Under ``mlx.launch`` the run is data-parallel (:mod:`dflash.training.distributed`): every rank
+Under ``mlx.launch`` the run is data-parallel (:mod:`dflash.ranks`): every rank
 walks the same data order, takes its own ``batch_seqs`` of each step's ``batch_seqs * ranks``
 sequences, and the gradients are averaged, so all ranks hold the same weights; rank 0 alone
 writes checkpoints, metrics and the export, and all ranks resume from the same checkpoint.
@@ -31,12 +31,12 @@ from tqdm import tqdm
 from ..console import log
 from ..drafter import DFlashConfig
 from ..errors import TrainConfigError, TrainingDataError
+from ..ranks import init_ranks
 from ..target import load_target as load
 from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
 from .data import DataOrder, Sample, read_samples, seen_ids
-from .distributed import init_ranks
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
 from .features import FeatureStore, precompute_features
 from .initialise import (
