@@ -28,6 +28,8 @@ from .stats import generation_stats
 EXTERNAL = {
     "convert": ("dflash.convert", "add_convert_args", "run_convert",
                 "convert a DFlash drafter to MLX, optionally quantized"),
+    "export": ("dflash.export", "add_export_args", "run_export",
+               "write a drafter in the Hugging Face layout vLLM and SGLang serve"),
     "datagen": ("dflash.training.datagen", "add_datagen_args", "run_datagen",
                 "regenerate training responses with the target model"),
     "magpie": ("dflash.training.magpie", "add_magpie_args", "run_magpie",
@@ -108,9 +110,10 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
                         "(docs/long-context.md)")
     g.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="group size of the KV quantization (32, 64 or 128; default 64)")
-    g.add_argument("--quantized-kv-start", type=int, default=0, metavar="TOKENS",
-                   help="quantize once the context holds TOKENS tokens (default 0: after the "
-                        "first prefill chunk, as mlx-lm counts)")
+    g.add_argument("--quantized-kv-start", type=int, default=None, metavar="TOKENS",
+                   help="quantize once the context holds TOKENS tokens, as mlx-lm counts them "
+                        "(default: mlx-lm's generate_step default, 5000 in mlx-lm 0.32; 0: "
+                        "after the first prefill chunk)")
 
 
 def kv_kwargs(args: argparse.Namespace) -> dict:
@@ -118,8 +121,10 @@ def kv_kwargs(args: argparse.Namespace) -> dict:
     without ``--kv-bits``)."""
     if getattr(args, "kv_bits", None) is None:
         return {}
-    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
-            "quantized_kv_start": args.quantized_kv_start}
+    kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
+    if args.quantized_kv_start is not None:  # otherwise mlx-lm's default, on both sides
+        kv["quantized_kv_start"] = args.quantized_kv_start
+    return kv
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
 from .cost_model import PassCosts, cost_model
 from .drafter import full_logits
 from .errors import GenerationConfigError
-from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match
+from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match, continuations
 from .policy import (
     MAX_BACKOFF,
     Candidates,
@@ -39,6 +39,7 @@ from .prompt_cache import PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
 from .target import (
+    QUANTIZED_KV_START,
     KVQuantization,
     TargetParts,
     VerifyTrace,
@@ -52,7 +53,7 @@ from .target import (
     tree_forward,
     tree_supported,
 )
-from .tree import walk
+from .tree import DraftTree, walk
 
 
 @dataclass
@@ -205,7 +206,7 @@ def build_request(
     index: ContinuationIndex | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
-    quantized_kv_start: int = 0,
+    quantized_kv_start: int = QUANTIZED_KV_START,
 ) -> DecodeRequest:
     """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
     field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
@@ -326,13 +327,17 @@ class DecodeState:
     cycle_tokens: int = 0  # tokens emitted by speculative cycles (mean_tau's numerator)
     lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
     costs: PassCosts | None = None  # told each pass's time (dflash.cost_model)
+    trees: bool = False  # the target verifies trees (attention-only)
 
-    def look(self, request: DecodeRequest, remaining: int, ahead: list[int] | None = None):
+    def look(self, request: DecodeRequest, remaining: int, ahead: list[int] | None = None,
+             rivals: bool = False):
         """The best continuation of the history (and ``ahead``, tokens about to join it) in the
         sequence itself or the request's index: at most ``remaining - 1`` tokens (the verify
-        pass's own token comes last), and at most :data:`~dflash.lookup.MAX_CHAIN`."""
+        pass's own token comes last), and at most :data:`~dflash.lookup.MAX_CHAIN`; with
+        ``rivals``, the competing continuations attached (a tree may verify them together)."""
         history = self.history + ahead if ahead else self.history
-        return best_match(history, min(MAX_CHAIN, remaining) - 1, self.lookup, request.index)
+        find = continuations if rivals else best_match
+        return find(history, min(MAX_CHAIN, remaining) - 1, self.lookup, request.index)
 
     def timed(self, kind: str, rows: int, context: int, seconds: float) -> None:
         """Tell the pass costs what a pass took (from its issue to the host read of its result)."""
@@ -412,7 +417,8 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                                           memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1),
-                       costs=cost if cost is not None else cost_model(parts, draft, request.kv))
+                       costs=cost if cost is not None else cost_model(parts, draft, request.kv),
+                       trees=trees)
 
 
 def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:
@@ -480,7 +486,7 @@ def speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, b
     if bs <= 1:  # the last token: nothing to propose
         plan: Plan | None = Chain(0)
     else:
-        look = state.look(request, remaining) if policy.looks_up else None
+        look = state.look(request, remaining, rivals=state.trees) if policy.looks_up else None
         plan = policy.before_draft(context, most, look)
     if plan is None:
         block = draft_block(parts, draft, request, state, policy.draft_rows(bs))
@@ -493,7 +499,7 @@ def speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, b
                                    context=context))
             return plain_steps(parts, draft, request, state,
                                1 + policy.plain_stretch(len(state.fed), most - 1))
-        case Tree():
+        case Tree() | Continuation(tree=DraftTree()):  # a drafted tree, or rival continuations
             return verify_tree(parts, draft, request, state, plan, block, context)
         case _:
             return verify_chain(parts, draft, request, state, plan, block, context)
@@ -619,10 +625,14 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
     return StepResult(out, len(out) - 1, 0, started, True)
 
 
-def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: Tree,
-                block: DraftedBlock, context: int) -> StepResult:
-    """One target pass over a draft tree; walk the target's tokens down it; keep that path."""
+def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
+                plan: Tree | Continuation, block: DraftedBlock | None, context: int) -> StepResult:
+    """One target pass over a draft tree (or a tree of rival continuations, rooted here at the
+    anchor); walk the target's tokens down it; keep that path."""
     tree, sampler = plan.tree, request.sampler
+    if isinstance(plan, Continuation):
+        tree = DraftTree([state.history[-1]] + tree.tokens[1:], tree.parents, tree.depths,
+                         tree.scores, tree.ranks)
     drafted = time.perf_counter()
     start = len(state.fed)
     logits, taps = tree_forward(parts, tree, state.cache, draft.target_layer_ids)
@@ -641,11 +651,13 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState, plan: 
     commit_tree_path(state.cache, start, keep, len(tree))
     state.fed += [tree.tokens[i] for i in keep]
     state.commit_taps(taps[:, mx.array(keep)])
-    state.policy.observe(Outcome(plan, len(path), tuple(path), block.log_conf, block.rows,
-                                 context))
+    state.policy.observe(Outcome(plan, len(path), tuple(path),
+                                 None if block is None else block.log_conf,
+                                 0 if block is None else block.rows, context))
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult([tree.tokens[i] for i in path] + [bonus], len(path), len(tree) - 1,
-                      drafted, False, depths=max(tree.depths))
+                      drafted, False, depths=max(tree.depths),
+                      lookup=isinstance(plan, Continuation))
 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,

@@ -21,10 +21,12 @@ it. Rotating (sliding-window) caches are rolled back by cutting the rows a multi
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -166,21 +168,25 @@ def check_compatible(parts: TargetParts, draft) -> None:
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode accepts
 KV_GROUP_SIZES = (32, 64, 128)
+# mlx-lm's own default, read from the installed mlx-lm so that ``kv_bits`` alone means here what
+# it means to mlx-lm's ``generate_step``
+QUANTIZED_KV_START: int = inspect.signature(generate_step).parameters["quantized_kv_start"].default
 
 
 @dataclass(frozen=True)
 class KVQuantization:
     """mlx-lm's quantized KV cache settings, under mlx-lm's names and meanings: ``bits``
     (``kv_bits``), ``group_size`` (``kv_group_size``) and ``start`` (``quantized_kv_start``: the
-    cache is converted once the context has that many tokens)."""
+    cache is converted once the context has that many tokens; default mlx-lm's,
+    :data:`QUANTIZED_KV_START`)."""
 
     bits: int
     group_size: int = 64
-    start: int = 0
+    start: int = QUANTIZED_KV_START
 
     @classmethod
     def from_settings(cls, kv_bits: int | None, kv_group_size: int = 64,
-                      quantized_kv_start: int = 0) -> KVQuantization | None:
+                      quantized_kv_start: int = QUANTIZED_KV_START) -> KVQuantization | None:
         """Checked settings (``None``: a float cache); typed errors name the field."""
         for name, value in (("kv_group_size", kv_group_size),
                             ("quantized_kv_start", quantized_kv_start)):

@@ -147,6 +147,46 @@ def test_quantized_kv_hybrid_target(bits, kv_pair):
     assert out.tokens == ref
 
 
+def test_quantized_kv_start_defaults_to_mlx_lm():
+    """``kv_bits`` alone means what it means to mlx-lm: the same ``quantized_kv_start``
+    default everywhere it can be given."""
+    import inspect
+
+    from dflash.cli import build_parser
+    from dflash.serving import create_server
+    from dflash.speculative import stream_generate
+    from dflash.target import QUANTIZED_KV_START
+
+    mlx_lm_default = inspect.signature(generate_step).parameters["quantized_kv_start"].default
+    assert QUANTIZED_KV_START == mlx_lm_default
+    assert KVQuantization.from_settings(8).start == mlx_lm_default
+    assert KVQuantization(8).start == mlx_lm_default
+    for fn in (stream_generate, create_server):
+        assert inspect.signature(fn).parameters["quantized_kv_start"].default == mlx_lm_default
+    sub = build_parser(["generate"])._subparsers._group_actions[0].choices["generate"]
+    option = next(a for a in sub._actions if a.dest == "quantized_kv_start")
+    assert option.default is None and f"{mlx_lm_default} in mlx-lm" in option.help
+
+
+def test_kv_bits_alone_equals_mlx_lm_kv_bits_alone(kv_pair):
+    """Neither side given ``quantized_kv_start``: the request switches where mlx-lm's default
+    switches (the switch itself at any offset: the cases above), and the output is mlx-lm's."""
+    from dflash.speculative import build_request
+    from dflash.target import QUANTIZED_KV_START
+
+    model, tokenizer, draft = kv_pair("llama")
+    prompt = prompt_of(tokenizer, 40)
+    request = build_request(target_parts(model), draft, tokenizer, prompt, kv_bits=8,
+                            kv_group_size=32)
+    assert request.kv.start == QUANTIZED_KV_START
+    assert request.kv.switch_offset(len(prompt), 2048) == \
+        KVQuantization(8, 32, QUANTIZED_KV_START).switch_offset(len(prompt), 2048)
+    ref = mlx_lm_greedy(model, prompt, kv_bits=8, kv_group_size=32)
+    out = generate(model, draft, tokenizer, prompt, max_tokens=N_TOKENS, kv_bits=8,
+                   kv_group_size=32)
+    assert out.tokens == ref
+
+
 def test_switch_offset_follows_mlx_lm_calls():
     assert prefill_calls(40, 2048) == [39, 40]
     assert prefill_calls(40, 16) == [16, 32, 39, 40]
@@ -308,6 +348,9 @@ def test_cli_kv_options():
             [command, "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "100"])
         assert kv_kwargs(args) == {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 100}
         assert kv_kwargs(build_parser([command]).parse_args([command])) == {}
+        # --kv-bits alone: quantized_kv_start left to the default (mlx-lm's, on both sides)
+        args = build_parser([command]).parse_args([command, "--kv-bits", "8"])
+        assert kv_kwargs(args) == {"kv_bits": 8, "kv_group_size": 64}
 
 
 def test_cli_bench_kv_bits_only_with_the_prompt_bench(capsys):

@@ -40,7 +40,7 @@ from ..lookup import DEFAULT_BUDGET
 from ..pair import load_pair
 from ..speculative import DFlashResponse
 from ..stats import generation_stats
-from ..target import KVQuantization, target_parts
+from ..target import QUANTIZED_KV_START, KVQuantization, target_parts
 from .anthropic_format import (
     MessageStream,
     error_body,
@@ -470,7 +470,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   pair_memory: str | None = None, api_keys: list[str] | None = None,
                   share: str = "key", index_budget: int = DEFAULT_BUDGET,
                   kv_bits: int | None = None, kv_group_size: int = 64,
-                  quantized_kv_start: int = 0,
+                  quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
@@ -481,7 +481,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     continuation index and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
     (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds; ``kv_bits``,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
-    (one sequence at a time: ``max_concurrency`` 1).
+    (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
     """
     keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
