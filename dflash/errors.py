@@ -13,6 +13,11 @@ class DraftCheckpointError(DFlashError):
     """A drafter folder that cannot be read: missing/malformed config, corrupt or mismatched weights."""
 
 
+class ExportError(DFlashError):
+    """A drafter that cannot be written in the published Hugging Face layout (``dflash export``):
+    a destination that exists, a tensor off the layout, a file that does not read back."""
+
+
 class IncompatibleDraftError(DFlashError):
     """A drafter that does not fit the target (hidden size, vocabulary, taps, layer count)."""
 
@@ -61,6 +66,10 @@ class BackendSetupError(DFlashError):
 
 class QueueFull(Exception):
     """The serving worker's queue is full; the HTTP layer answers 429."""
+
+
+class RankLost(Exception):
+    """A rank of a sharded target stopped or stopped answering; the HTTP layer answers 503."""
 
 
 class GenerationCancelled(Exception):
