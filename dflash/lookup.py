@@ -12,7 +12,9 @@ long match earns a long chain); verification keeps the output exact (a proposal 
 not produce is rejected, and at T > 0 it is accepted with the target's probability of it, as any
 proposal without a q).
 
-Two sources, each returning a :class:`Match` (continuation, matched length, frequency):
+Two sources, each returning a :class:`Match` (continuation, matched length, frequency), and the
+competing continuations of the same context (:func:`continuations`: where earlier occurrences
+continued differently, a target that verifies trees can check them together):
 
 * :class:`ContextLookup`: the current sequence (prompt and what it has emitted so far), its
   3-/2-grams indexed incrementally.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +43,7 @@ KEY = 4  # tokens hashed to find earlier occurrences across requests
 CANDIDATES = 8  # earlier occurrences of a key weighed per lookup (most recent first)
 DEFAULT_BUDGET = 262_144  # tokens an index holds: 3 MiB of ring and chains
 SEPARATOR = -1  # between documents in the ring: no match or continuation crosses it
+COMPETING = 4  # continuations one lookup offers a tree verifier (the best and its rivals)
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,14 @@ class Match:
     """A proposed continuation: ``tokens`` followed an earlier occurrence of the context's last
     ``length`` tokens (``length`` counted up to :data:`MAX_MATCH`); ``count`` earlier
     occurrences continued with the same first token; ``source``: ``"context"`` (this sequence) or
-    ``"index"`` (earlier requests)."""
+    ``"index"`` (earlier requests); ``alternatives``: competing continuations of the same context
+    (earlier occurrences that continued differently; only from :func:`continuations`)."""
 
     tokens: tuple[int, ...]
     length: int
     count: int = 1
     source: str = "context"
+    alternatives: tuple[Match, ...] = field(default=(), compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.tokens)
@@ -77,6 +82,8 @@ class ContextLookup:
     def __init__(self, orders: tuple[int, ...] | None = None):
         self.orders = orders or ORDERS
         self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.orders}
+        # ``earlier[n][i]``: the previous start of the n-gram that starts at ``i`` (-1: none)
+        self.earlier: dict[int, list[int]] = {n: [] for n in self.orders}
         self.indexed = dict.fromkeys(self.orders, 0)  # starts below this are in ``last``
 
     def _index(self, history: Sequence[int]) -> None:
@@ -85,8 +92,11 @@ class ContextLookup:
             # A start ``i`` is indexed once its continuation exists (``i + n < len``): the n-gram
             # at the very end is the one looked up, not an earlier occurrence of itself.
             end = len(history) - n
+            earlier = self.earlier[n]
             for i in range(self.indexed[n], end):
-                last[tuple(history[i:i + n])] = i
+                key = tuple(history[i:i + n])
+                earlier.append(last.get(key, -1))
+                last[key] = i
             self.indexed[n] = max(self.indexed[n], end)
 
     def find(self, history: Sequence[int], length: int) -> Match | None:
@@ -103,6 +113,26 @@ class ContextLookup:
                                         history[b - 1 - j] if b - 1 - j >= 0 else None)
                 return Match(tuple(history[begin:begin + length]), max(n, matched))
         return None
+
+    def candidates(self, history: Sequence[int], length: int) -> list[Match]:
+        """What followed each of the :data:`CANDIDATES` latest earlier occurrences of the
+        history's last n tokens (the longest order that occurred), the latest first (the one
+        :meth:`find` returns)."""
+        self._index(history)
+        for n in self.orders:
+            if len(history) <= n:
+                continue
+            start = self.last[n].get(tuple(history[-n:]), -1)
+            out: list[Match] = []
+            while start >= 0 and len(out) < CANDIDATES:
+                begin = start + n
+                matched = _match_length(history, len(history), lambda j, b=begin:
+                                        history[b - 1 - j] if b - 1 - j >= 0 else None)
+                out.append(Match(tuple(history[begin:begin + length]), max(n, matched)))
+                start = self.earlier[n][start]
+            if out:
+                return out
+        return []
 
 
 class ContinuationIndex:
@@ -172,44 +202,60 @@ class ContinuationIndex:
             self.end = p + 1
             self.documents += 1
 
+    def _occurrences(self, history: Sequence[int]) -> tuple[list[tuple[int, int]], dict[int, int]]:
+        """The weighed earlier occurrences of the history's tail that match at least :data:`KEY`
+        tokens, as ``(matched length, position)``, longest first (ties: the most recent), and how
+        many of them continue with each first token. Called under the lock."""
+        tail = [int(t) for t in history[-KEY:]]
+        p = int(self.heads[self._hash(tail)])
+        oldest = self.end - self.budget
+        found: list[tuple[int, int]] = []
+        firsts: dict[int, int] = {}
+        seen = 0
+        while p >= 0 and p >= oldest and p < self.end and seen < CANDIDATES:
+            seen += 1
+            nxt = int(self.chain[p % self.budget])
+            first = self._token(p)
+            matched = _match_length(history, len(history),
+                                    lambda j, b=p: self._token(b - 1 - j))
+            if matched >= KEY and first is not None:
+                firsts[first] = firsts.get(first, 0) + 1
+                found.append((matched, p))
+            if nxt >= p:  # a link overwritten by a later lap of the ring
+                break
+            p = nxt
+        found.sort(key=lambda o: -o[0])  # stable: the most recent first among equals
+        return found, firsts
+
+    def _read(self, p: int, length: int) -> tuple[int, ...]:
+        """Up to ``length`` tokens from position ``p``, to the end of its document."""
+        out: list[int] = []
+        while len(out) < length:
+            t = self._token(p + len(out))
+            if t is None:
+                break
+            out.append(t)
+        return tuple(out)
+
     def find(self, history: Sequence[int], length: int) -> Match | None:
         """The continuation of the longest earlier match of the history's tail (ties: the most
         recent), up to ``length`` tokens, with how many weighed occurrences agree on its first
         token; ``None`` where the last :data:`KEY` tokens never occurred."""
+        found = self.candidates(history, length, most=1)
+        return found[0] if found else None
+
+    def candidates(self, history: Sequence[int], length: int,
+                   most: int = CANDIDATES) -> list[Match]:
+        """The continuations of up to ``most`` weighed earlier occurrences of the history's tail,
+        longest match first (ties: the most recent), each with how many weighed occurrences agree
+        on its first token."""
         if len(history) < KEY or length <= 0:
-            return None
-        tail = [int(t) for t in history[-KEY:]]
+            return []
         with self._lock:
-            p = int(self.heads[self._hash(tail)])
-            oldest = self.end - self.budget
-            best: tuple[int, int] | None = None  # (matched length, position)
-            firsts: dict[int, int] = {}
-            seen = 0
-            while p >= 0 and p >= oldest and p < self.end and seen < CANDIDATES:
-                seen += 1
-                nxt = int(self.chain[p % self.budget])
-                first = self._token(p)
-                matched = _match_length(history, len(history),
-                                        lambda j, b=p: self._token(b - 1 - j))
-                if matched >= KEY and first is not None:
-                    firsts[first] = firsts.get(first, 0) + 1
-                    if best is None or matched > best[0]:
-                        best = (matched, p)
-                if nxt >= p:  # a link overwritten by a later lap of the ring
-                    break
-                p = nxt
-            if best is None:
-                return None
-            matched, p = best
-            out: list[int] = []
-            while len(out) < length:
-                t = self._token(p + len(out))
-                if t is None:
-                    break
-                out.append(t)
-        if not out:
-            return None
-        return Match(tuple(out), matched, firsts.get(out[0], 1), "index")
+            found, firsts = self._occurrences(history)
+            reads = [(matched, self._read(p, length)) for matched, p in found[:most]]
+        return [Match(tokens, matched, firsts.get(tokens[0], 1), "index")
+                for matched, tokens in reads if tokens]
 
 
 def best_match(history: Sequence[int], length: int, context: ContextLookup,
@@ -220,3 +266,28 @@ def best_match(history: Sequence[int], length: int, context: ContextLookup,
     if other is None or (own is not None and own.length >= other.length):
         return own
     return other
+
+
+def continuations(history: Sequence[int], length: int, context: ContextLookup,
+                  index: ContinuationIndex | None, most: int = COMPETING) -> Match | None:
+    """:func:`best_match`'s continuation, with up to ``most - 1`` competing ones attached as its
+    ``alternatives``: what other earlier occurrences of the matched context (in the sequence or
+    the index) continued with, where that differs, the longest match first. A tree verifier
+    checks them together (:func:`dflash.tree.continuation_tree`)."""
+    own = context.candidates(history, length)
+    other = index.candidates(history, length) if index is not None else []
+    if not own and not other:
+        return None
+    first = own[0] if own and (not other or own[0].length >= other[0].length) else other[0]
+    rivals = sorted((m for m in own + other if m is not first),
+                    key=lambda m: (-m.length, -m.count))
+    kept: list[Match] = []
+    for m in rivals:
+        if len(kept) + 1 >= most:
+            break
+        if m.tokens[:len(first.tokens)] == first.tokens[:len(m.tokens)]:
+            continue  # adds nothing to the first: a prefix of it, or it of this one
+        if any(m.tokens == k.tokens for k in kept):
+            continue
+        kept.append(m)
+    return Match(first.tokens, first.length, first.count, first.source, tuple(kept))

@@ -20,6 +20,7 @@ token is a draw from the target given the accepted prefix).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,3 +143,44 @@ def walk(tree: DraftTree, targets: list[int]) -> tuple[list[int], int]:
         node = kids[node][targets[node]]
         path.append(node)
     return path, targets[node]
+
+
+def continuation_tree(anchor: int, branches: Sequence[Sequence[int]],
+                      steps: Sequence[Sequence[float]], most: int) -> DraftTree:
+    """Competing continuations of text already seen merged into one tree (a trie below the
+    anchor), best-first, at most ``most`` nodes besides the root.
+
+    ``branches[j]``: continuation ``j``'s tokens (the first one is the spine: rank 0 all along);
+    ``steps[j][d]``: the chance that its token at depth ``d + 1`` is accepted once the ones before
+    it are. A node a branch shares with an earlier one is that one's; where it leaves them, its
+    first own node competes with its earlier siblings: its chance is its step times what they
+    leave (``1 - `` the sum of theirs). ``scores``: log path chances, so the pop order (most likely
+    path first, a parent before its children) is prefix-closed, as :func:`build_tree`'s."""
+    tokens, parents, depths, steps_of, ranks = [int(anchor)], [-1], [0], [1.0], [0]
+    kids: list[dict[int, int]] = [{}]
+    for branch, step in zip(branches, steps):
+        node = 0
+        for d, token in enumerate(branch[:len(step)]):
+            token = int(token)
+            if token in kids[node]:
+                node = kids[node][token]
+                continue
+            taken = sum(steps_of[k] for k in kids[node].values())
+            p = float(step[d]) * max(0.0, 1.0 - taken) if kids[node] else float(step[d])
+            tokens.append(token)
+            parents.append(node)
+            depths.append(d + 1)
+            steps_of.append(p)
+            ranks.append(len(kids[node]))
+            kids[node][token] = len(tokens) - 1
+            kids.append({})
+            node = len(tokens) - 1
+    path = [1.0] * len(tokens)
+    for i in range(1, len(tokens)):  # parents are created before their children
+        path[i] = path[parents[i]] * steps_of[i]
+    order = [0] + sorted(range(1, len(tokens)), key=lambda i: (-path[i], depths[i], i))[:most]
+    new = {old: i for i, old in enumerate(order)}
+    return DraftTree([tokens[i] for i in order], [new.get(parents[i], -1) for i in order],
+                     [depths[i] for i in order],
+                     [float(np.log(max(path[i], 1e-300))) for i in order],
+                     [ranks[i] for i in order])

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..lookup import MAX_CHAIN, Match
-from ..tree import build_tree
+from ..tree import build_tree, continuation_tree, node_kinds
 from .backoff import MARGIN, Backoff, draft_rows, judged_rate
 from .base import TREE_BUDGETS, Candidates, Policy
 from .calibration import Calibration, expected_tokens, lookup_prior, tree_node_probs
@@ -24,8 +24,9 @@ EMA = 0.5  # weight of the newest drafted block in the drafted blocks' running r
 class AutoPolicy(Policy):
     """Maximise expected committed tokens per ms under the cost model (see :mod:`dflash.policy`).
 
-    ``trees``: the target can verify trees; ``tree_budget`` caps the trees weighed; ``lookup``:
-    the context's own continuations are weighed too; ``memory``: what the pair's earlier
+    ``trees``: the target can verify trees (drafted ones, and competing continuations merged into
+    one); ``tree_budget`` caps the trees weighed; ``lookup``: the context's own continuations are
+    weighed too; ``memory``: what the pair's earlier
     generations taught (:class:`~dflash.policy.memory.PairMemory`), started from and reported to.
     """
 
@@ -39,6 +40,8 @@ class AutoPolicy(Policy):
         super().__init__(block_size, cost, pipelined=pipelined)
         cap = min(most, tree_budget or most)
         self.budgets = [b for b in TREE_BUDGETS if b <= cap] if trees else []
+        # Nodes of a tree of competing continuations (as long as a chain of one may be)
+        self.rival_nodes = min(tree_budget or MAX_CHAIN, MAX_CHAIN) if trees else 0
         self.calibration = Calibration.fresh(max(1, block_size - 1), MAX_CHAIN)
         self.looks_up = lookup
         self.looked: Match | None = None  # this cycle's continuation, if any
@@ -95,17 +98,46 @@ class AutoPolicy(Policy):
         self.looked = match if match else None
         if self.looked is None:
             return None
-        value = self._lookup_values(match, 0.0)
-        k = int(np.argmax(value)) + 1
-        if value[k - 1] * self._plain_ms() < MARGIN:
+        value, plan = self._continuation_plan(match, 0.0)
+        if value * self._plain_ms() < MARGIN:
             return None
         # A drafter in a losing streak would only probe: the continuation goes first. One not
         # yet seen drafts, unless not even a block accepted whole could beat the continuation.
         drafter = self.draft_rate if self.draft_rate is not None else self._best_drafted_rate()
-        if drafting and not self.backoff.losses and value[k - 1] < drafter:
+        if drafting and not self.backoff.losses and value < drafter:
             return None
-        self.expected = float(value[k - 1])
-        return _chain_of(match, k)
+        self.expected = value
+        return plan
+
+    def _continuation_plan(self, match: Match, draft_ms: float,
+                           drafter_value: float | None = None) -> tuple[float, Continuation]:
+        """The continuation's best plan after a drafter pass of ``draft_ms`` (none: 0) and its
+        expected committed tokens per ms: as many of its tokens as pay best, verified as a chain;
+        or, where rival continuations compete and the target verifies trees, the best prefix of
+        their tree (:func:`~dflash.tree.continuation_tree`) if it is worth more."""
+        value = self._lookup_values(match, draft_ms)
+        k = int(np.argmax(value)) + 1
+        best, plan = float(value[k - 1]), _chain_of(match, k, drafter_value)
+        if not (self.rival_nodes and match.alternatives):
+            return best, plan
+        branches = (match, *match.alternatives)
+        spine = self.lookup_expectation(match)
+        tree = continuation_tree(-1, [m.tokens for m in branches],
+                                 [self.lookup_expectation(m) for m in branches],
+                                 self.rival_nodes)
+        gain = 1.0 + np.cumsum(tree_node_probs(tree, spine, self.calibration.rivals))
+        ms = self._chain_ms()
+        n = min(len(gain), len(ms))
+        values = gain[:n] / (draft_ms + ms[:n])  # the first b nodes: verify(b + 1)
+        b = int(np.argmax(values)) + 1
+        if values[b - 1] > best and not tree.prefix(b).is_chain():
+            rivals = tree.prefix(b)
+            spine_tokens = tuple(t for t, kind in zip(rivals.tokens, node_kinds(rivals))
+                                 if kind == "spine")[1:]
+            best = float(values[b - 1])
+            plan = Continuation(spine_tokens, match.length, match.count, match.source,
+                                drafter_value, rivals)
+        return best, plan
 
     def _best_drafted_rate(self) -> float:
         """Tokens per ms of a drafted block whose every row is accepted: what no drafter beats."""
@@ -163,11 +195,10 @@ class AutoPolicy(Policy):
         self.draft_rate = self.expected if self.draft_rate is None else \
             (1 - EMA) * self.draft_rate + EMA * self.expected
         if self.looked is not None:  # the drafter pass is spent either way
-            value = self._lookup_values(self.looked, draft_ms)
-            k = int(np.argmax(value)) + 1
-            if value[k - 1] > self.expected and value[k - 1] * self._plain_ms() >= MARGIN:
-                drafter_value, self.expected = self.expected, float(value[k - 1])
-                return _chain_of(self.looked, k, drafter_value)
+            value, plan = self._continuation_plan(self.looked, draft_ms, self.expected)
+            if value > self.expected and value * self._plain_ms() >= MARGIN:
+                self.expected = value
+                return plan
         # A drafter that has not agreed once in a losing streak: a block whose best plan loses
         # to a plain step is not verified (its verify rows would most likely only confirm the
         # loss; the drafter pass is spent either way).

@@ -119,9 +119,10 @@ class NodeCalibration:
 
     PRIORS = {"sibling": (1.0, 1.0), "branch": (0.3, 1.0)}
 
-    def __init__(self):
-        self.hits = {k: h for k, (h, _) in self.PRIORS.items()}
-        self.mass = {k: m for k, (_, m) in self.PRIORS.items()}
+    def __init__(self, priors: dict[str, tuple[float, float]] | None = None):
+        self.priors = priors or self.PRIORS
+        self.hits = {k: h for k, (h, _) in self.priors.items()}
+        self.mass = {k: m for k, (_, m) in self.priors.items()}
 
     def factor(self, kind: str) -> float:
         return self.hits[kind] / self.mass[kind]
@@ -143,9 +144,15 @@ class NodeCalibration:
                 self.hits[kinds[i]] += i in reached
 
     def copy(self) -> NodeCalibration:
-        out = NodeCalibration()
+        out = NodeCalibration(self.priors)
         out.hits, out.mass = dict(self.hits), dict(self.mass)
         return out
+
+
+# Competing continuations (:func:`dflash.tree.continuation_tree`): a rival's first node is priced
+# as its own chain's acceptance times what the continuations before it leave, the nodes below it
+# as its chain's rows; both taken at face value until verified nodes say otherwise.
+RIVAL_PRIORS = {"sibling": (1.0, 1.0), "branch": (1.0, 1.0)}
 
 
 def tree_node_probs(tree: DraftTree, spine: np.ndarray, calibration: NodeCalibration) -> np.ndarray:
@@ -173,30 +180,40 @@ class Calibration:
     drafter: AcceptanceModel
     continuation: AcceptanceModel
     nodes: NodeCalibration = field(default_factory=NodeCalibration)
+    # Off-spine nodes of continuation trees (rival continuations), kept apart from the drafter's
+    rivals: NodeCalibration = field(default_factory=lambda: NodeCalibration(RIVAL_PRIORS))
 
     @classmethod
     def fresh(cls, rows: int, continuation_rows: int | None = None) -> Calibration:
         return cls(AcceptanceModel(rows), AcceptanceModel(max(rows, continuation_rows or rows)))
 
     def copy(self) -> Calibration:
-        return Calibration(self.drafter.copy(), self.continuation.copy(), self.nodes.copy())
+        return Calibration(self.drafter.copy(), self.continuation.copy(), self.nodes.copy(),
+                           self.rivals.copy())
 
     def copy_into(self, other: Calibration) -> None:
         """``other``'s counts become these (the rows both have)."""
         self.drafter.copy_into(other.drafter)
         self.continuation.copy_into(other.continuation)
         other.nodes = self.nodes.copy()
+        other.rivals = self.rivals.copy()
 
     def learn(self, outcome: Outcome) -> int | None:
         """Count a verified cycle: a continuation's rows teach the continuation model; a drafted
         chain's or tree's spine the drafter's (where its confidences are known), a tree's
         off-spine nodes the node calibration. The deepest proposal verified (``None``: nothing
-        about a proposal source to learn)."""
+        about a proposal source to learn). A continuation tree's first continuation (its
+        spine) teaches the continuation model like a chain, its rivals the rivals' calibration."""
         plan = outcome.plan
         if isinstance(plan, Continuation):
-            conf = np.full(plan.rows, lookup_prior(plan.match, plan.count))
-            self.continuation = self.continuation.grown(plan.rows)
-            self.continuation.update(conf, plan.rows, outcome.accepted)
+            rows, accepted = len(plan.tokens), outcome.accepted
+            if plan.tree is not None:
+                path = list(outcome.path or ())
+                accepted = spine_length(plan.tree, path)
+                self.rivals.update(plan.tree, path)
+            conf = np.full(rows, lookup_prior(plan.match, plan.count))
+            self.continuation = self.continuation.grown(rows)
+            self.continuation.update(conf, rows, accepted)
             return None
         if isinstance(plan, Tree):
             path = list(outcome.path or ())
@@ -218,6 +235,7 @@ class Calibration:
         self.drafter.cap(most)
         self.continuation.cap(most)
         self.nodes.cap(most)
+        self.rivals.cap(most)
 
     def decay(self, most: float) -> None:
         """At most ``most`` observations per confidence bin of each model, and ``most`` units of
@@ -225,3 +243,4 @@ class Calibration:
         self.drafter.decay(most)
         self.continuation.decay(most)
         self.nodes.cap(most)
+        self.rivals.cap(most)

@@ -20,22 +20,25 @@ class Plain:
 
 @dataclass(frozen=True)
 class Continuation:
-    """A continuation of text already seen (:mod:`dflash.lookup`), verified as a chain: no
-    drafter pass. ``match``: how many tokens of the context it matched (up to
+    """A continuation of text already seen (:mod:`dflash.lookup`), verified as a chain, or with
+    its rivals as a tree: no drafter pass. ``match``: how many tokens of the context it matched (up to
     :data:`~dflash.lookup.MAX_MATCH`); ``count``: earlier occurrences agreeing on its first token;
     ``source``: ``"context"`` (this sequence) or ``"index"`` (earlier requests);
     ``drafter_value``: the drafted block it won over, if one was drafted (expected tokens per ms
-    of that block's best plan)."""
+    of that block's best plan); ``tree``: where competing continuations are verified together
+    (attention-only targets), their trie (:func:`~dflash.tree.continuation_tree`), whose spine
+    is ``tokens``."""
 
     tokens: tuple[int, ...]
     match: int
     count: int = 1
     source: str = "context"
     drafter_value: float | None = None
+    tree: DraftTree | None = None
 
     @property
     def rows(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) if self.tree is None else len(self.tree) - 1
 
 
 @dataclass(frozen=True)
