@@ -44,6 +44,7 @@ from .target import (
     TargetParts,
     VerifyTrace,
     check_compatible,
+    check_prompt_length,
     commit_tree_path,
     forward,
     make_cache,
@@ -216,6 +217,10 @@ def build_request(
         policy = "auto" if min_confidence is None else "confidence"
     min_confidence = 0.0 if min_confidence is None else min_confidence
     check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
+    window = getattr(draft, "window", None)
+    if isinstance(window, int) and block_size > window:  # its last rows would see no context
+        raise GenerationConfigError(
+            f"block_size={block_size}: more than the draft window ({window} tokens)")
     check_policy(policy)
     if memory is not None and not isinstance(memory, PairMemory):
         raise GenerationConfigError(
@@ -256,6 +261,7 @@ def build_request(
         raise GenerationConfigError("prompt: must hold at least one token")
     if any(not 0 <= t < parts.vocab_size for t in prompt_ids):
         raise GenerationConfigError("prompt: token id outside the target vocabulary")
+    check_prompt_length(parts, len(prompt_ids))
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     stop_ids |= {int(t) for t in stop_token_ids or ()}
 

@@ -64,6 +64,7 @@ class TargetParts:
     lm_head: nn.Module | None  # None: tied embeddings
     sliding_window: int | None = None
     head_group: object | None = None  # the ranks the head's vocabulary is split over, if any
+    max_positions: int | None = None  # positions the target reads (None: not stated)
 
     @property
     def num_layers(self) -> int:
@@ -130,7 +131,39 @@ def target_parts(model: nn.Module) -> TargetParts:
         lm_head=getattr(owner, "lm_head", None),
         sliding_window=getattr(inner, "sliding_window", None),
         head_group=getattr(owner, "sharding_group", None) if hasattr(owner, "lm_head") else None,
+        max_positions=max_positions(model),
     )
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """Positions the target reads: its config's ``max_position_embeddings``, or the context a
+    RoPE scaling stretches ``original_max_position_embeddings`` to by its ``factor`` where that is
+    more (None: the config states neither)."""
+    arg_sets = [getattr(getattr(model, "language_model", None), "args", None),
+                getattr(model, "args", None)]
+    text = getattr(arg_sets[1], "text_config", None)
+    arg_sets.append(text if isinstance(text, dict) else None)
+    for args in arg_sets:
+        if args is None:
+            continue
+        get = args.get if isinstance(args, dict) else (lambda k, a=args: getattr(a, k, None))
+        limit = get("max_position_embeddings")
+        if not isinstance(limit, int) or limit <= 0:
+            continue
+        for scaling in (get("rope_scaling"), get("rope_parameters")):
+            if isinstance(scaling, dict) and scaling.get("factor") and \
+                    scaling.get("original_max_position_embeddings"):
+                limit = max(limit, int(scaling["factor"] * scaling["original_max_position_embeddings"]))
+        return limit
+    return None
+
+
+def check_prompt_length(parts: TargetParts, n_prompt: int) -> None:
+    """``GenerationConfigError`` naming ``prompt`` for a prompt longer than the target reads."""
+    if parts.max_positions is not None and n_prompt > parts.max_positions:
+        raise GenerationConfigError(
+            f"prompt={n_prompt} tokens: longer than the {parts.max_positions} positions the target "
+            "reads (max_position_embeddings)")
 
 
 def check_compatible(parts: TargetParts, draft) -> None:
