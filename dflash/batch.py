@@ -270,10 +270,14 @@ class BatchGenerator:
                                 prefill_step_size=self.prefill_chunk, memory=self.memory,
                                 **settings)
         if request.kv is not None and self.fallback is None:
+            # mlx-lm batches no quantized cache (its BatchKVCache cannot convert, its
+            # BatchGenerator takes no kv_bits, its server decodes kv_bits requests one at a
+            # time): there is no batched decoding of its to be identical to.
             raise GenerationConfigError(
                 f"kv_bits={request.kv.bits}: the batched engine (max_batch={self.max_batch}) keeps "
-                "float caches; quantized KV caches decode one sequence at a time (max_batch=1, "
-                "the server's max_concurrency=1)")
+                "float caches, as mlx-lm's batched decoding does (mlx-lm has no batched quantized "
+                "KV cache); quantized KV caches decode one sequence at a time (max_batch=1, the "
+                "server's max_concurrency=1)")
         # (The one-at-a-time fallback decodes with the single-sequence engine's own state.)
         state = None if self.fallback else \
             new_state(self.parts, self.draft, request, None, None, self.cost)

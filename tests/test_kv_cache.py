@@ -246,13 +246,26 @@ def test_kv_bits_refused_on_rotating_target(kv_pair):
         generate(model, draft, tokenizer, [1, 2, 3], max_tokens=4, kv_bits=8, kv_group_size=32)
 
 
+def test_mlx_lm_batches_no_quantized_kv_cache():
+    """Why the batched engine refuses ``kv_bits``: mlx-lm has no batched decoding with a
+    quantized KV cache to be identical to. When it gains one, this fails: wire it then."""
+    import inspect
+
+    from mlx_lm.generate import BatchGenerator as MLXBatchGenerator
+    from mlx_lm.models.cache import BatchKVCache
+
+    assert not hasattr(BatchKVCache, "to_quantized")
+    assert "kv_bits" not in inspect.signature(MLXBatchGenerator.__init__).parameters
+
+
 def test_kv_bits_refused_by_the_batched_engine(kv_pair):
     from dflash.batch import BatchGenerator
 
     model, tokenizer, draft = kv_pair("llama")
     engine = BatchGenerator(model, draft, tokenizer, max_batch=2)
-    with pytest.raises(GenerationConfigError, match="kv_bits"):
+    with pytest.raises(GenerationConfigError, match="kv_bits=8: .*no batched quantized KV cache"):
         engine.insert([1, 2, 3], max_tokens=4, kv_bits=8, kv_group_size=32)
+    assert not engine.active and not engine.pending
     # One sequence at a time (max_batch=1) is the single-sequence engine: exact.
     lone = BatchGenerator(model, draft, tokenizer, max_batch=1)
     prompt = prompt_of(tokenizer, 20)
