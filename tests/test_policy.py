@@ -403,3 +403,66 @@ def test_index_chains_are_counted_apart_from_the_sequences_own():
     policy.observe(Outcome(Continuation((1, 2), 2), 2, context=128))
     policy.observe(Outcome(Continuation((1, 2), 9, 1, "index"), 2, context=128))
     assert policy.stats.lookup_cycles == 2 and policy.stats.index_cycles == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Competing continuations verified as one tree (attention-only targets)
+
+CHEAP_ROWS = Costs(base=10.0, per_row=0.01)  # a row costs 0.1 % of a step: rivals are worth it
+
+
+def rivals_match(match: int = 3) -> Match:
+    """A continuation with two rivals: one wrong from the first token, one from the third."""
+    first = tuple(range(100, 120))
+    return Match(first, match, 1, "index", (
+        Match((7,) + first[1:], match), Match(first[:2] + (9,) + first[3:], match)))
+
+
+def test_rival_continuations_are_verified_as_a_tree_where_it_pays():
+    match = rivals_match()
+    chain = auto(CHEAP_ROWS, losses=1).before_draft(128, MAX_BACKOFF, match)
+    policy = auto(CHEAP_ROWS, losses=1, trees=True)
+    plan = policy.before_draft(128, MAX_BACKOFF, match)
+    assert isinstance(plan, Continuation) and plan.tree is not None
+    assert plan.tree.tokens[1:3] == [100, 101] and {7, 9} <= set(plan.tree.tokens)
+    assert plan.tokens == match.tokens[:len(plan.tokens)]  # its spine: the first continuation
+    assert plan.rows == len(plan.tree) - 1 > chain.rows - 1
+    # Worth more than the chain alone, by the same prices.
+    chain_policy = auto(CHEAP_ROWS, losses=1)
+    chain_policy.before_draft(128, MAX_BACKOFF, match)
+    assert policy.expected > chain_policy.expected
+    # Hybrid targets (no trees), no rivals, or rows that cost a step each: no tree.
+    assert auto(CHEAP_ROWS, losses=1).before_draft(128, MAX_BACKOFF, match).tree is None
+    alone = Match(match.tokens, match.length, match.count, match.source)
+    assert auto(CHEAP_ROWS, losses=1, trees=True).before_draft(128, MAX_BACKOFF, alone).tree \
+        is None
+    steep = auto(MODERATE, losses=1, trees=True).before_draft(128, MAX_BACKOFF, rivals_match(40))
+    assert steep is None or steep.tree is None  # a long match's chain: its rivals not worth rows
+
+
+def test_a_rival_tree_competes_with_the_drafted_block_after_drafting():
+    policy = auto(CHEAP_ROWS, trees=True)
+    assert policy.before_draft(128, MAX_BACKOFF, rivals_match()) is None  # the drafter drafts
+    plan = policy.after_draft(block([0.3] * 15), 0, 16)
+    assert isinstance(plan, Continuation) and plan.tree is not None
+    assert plan.drafter_value is not None and plan.drafter_value < policy.expected
+
+
+def test_a_rival_tree_teaches_its_spine_and_its_rivals_and_counts_as_a_continuation():
+    policy = auto(CHEAP_ROWS, losses=1, trees=True)
+    plan = policy.before_draft(128, MAX_BACKOFF, rivals_match())
+    tree = plan.tree
+    rival = next(i for i in range(1, len(tree)) if tree.tokens[i] == 7)  # right; the spine not
+    below = [i for i in range(1, len(tree)) if tree.parents[i] == rival]
+    path = (rival, *below[:1])
+    before = dict(policy.calibration.rivals.hits)
+    policy.observe(Outcome(plan, len(path), path, context=128))
+    assert policy.calibration.rivals.hits["sibling"] == before["sibling"] + 1
+    # The spine's first row was verified and rejected: its class learnt a failure.
+    assert policy.calibration.continuation.tried[0].sum() == 1
+    assert policy.calibration.continuation.accepted.sum() == 0
+    stats = policy.stats
+    assert (stats.lookup_cycles, stats.index_cycles, stats.tree_cycles,
+            stats.speculative_cycles) == (1, 1, 0, 0)
+    assert stats.rows_verified == len(tree)
+    assert price(Outcome(plan, context=128), FLAT, False) == pytest.approx(FLAT.verify(len(tree)))

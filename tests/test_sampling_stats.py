@@ -565,10 +565,14 @@ def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N,
     ``"stand-in"``: a continuation that always exists (the history's last tokens, reversed: a
     function of the history, as a real continuation is, and right now and then); ``"index"``:
     one real cross-request index shared by the ``n`` generations (each proposes what earlier
-    samples wrote after the same prompt, as a sampled retry does).
-    The sequences and the number of continuation chains verified."""
+    samples wrote after the same prompt, as a sampled retry does); ``"rivals"``: three stand-ins
+    that compete, each a function of the history (the history reversed first, then the target's
+    own best and second-best next token, each followed by the target's best ones: rivals that
+    are often right), verified together as a tree (the tiny target is attention-only).
+    The sequences and the number of continuation chains (``"rivals"``: trees) verified."""
     from dflash import cost_model as costs
     from dflash.lookup import ContextLookup, ContinuationIndex, Match
+    from dflash.policy import Continuation
 
     model, draft = pair
     flat = costs.CostModel(key="flat", machine=costs.machine_id(), rows=[1, 2, 4, 8, 16, 32],
@@ -576,9 +580,36 @@ def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N,
                            draft_rows=[2, 4], draft_ms=LOOKUP_DRAFT)
     monkeypatch.setattr(speculative, "cost_model", lambda *a, **k: flat)
     index = ContinuationIndex(4096) if source == "index" else None
-    if index is None:
+    if source == "stand-in":
         monkeypatch.setattr(ContextLookup, "find", lambda self, history, length:
                             Match(tuple(history[::-1][:length]), 2))
+    trees = through_rivals = 0
+    if source == "rivals":
+        def guess(history, length: int, rank: int) -> tuple[int, ...]:
+            prefix, out = list(history[len(PROMPT):]), []
+            while len(out) < length and tuple(prefix) in raw_np:
+                out.append(int(np.argsort(-raw_np[tuple(prefix)])[0 if out else rank]))
+                prefix.append(out[-1])
+            return tuple(out)
+
+        def rivals(self, history, length):
+            return [Match(tuple(history[::-1][:length]), 2),
+                    Match(guess(history, length, 0), 2), Match(guess(history, length, 1), 2)]
+
+        monkeypatch.setattr(ContextLookup, "candidates", rivals)
+        monkeypatch.setattr(ContextLookup, "find", lambda self, h, n: rivals(self, h, n)[0])
+        verify_tree = speculative.verify_tree
+
+        def counted(parts, draft, request, state, plan, block, context):
+            nonlocal trees, through_rivals
+            trees += isinstance(plan, Continuation)  # a tree of rivals, not a drafted one
+            hits = state.policy.calibration.rivals.hits
+            before = sum(hits.values())
+            step = verify_tree(parts, draft, request, state, plan, block, context)
+            through_rivals += sum(hits.values()) > before  # accepted a rival's node
+            return step
+
+        monkeypatch.setattr(speculative, "verify_tree", counted)
     seqs = np.zeros((n, K), dtype=np.int64)
     lookups = 0
     for s in range(n):
@@ -590,12 +621,18 @@ def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N,
             last = r
         seqs[s] = tokens
         lookups += last.index_cycles if index is not None else last.lookup_cycles
+    if source == "rivals":
+        print(f"\n{trees} trees of rivals, {through_rivals} accepted through a rival's node")
+        assert through_rivals >= N // 10
+        return seqs, trees
     return seqs, lookups
 
 
 @pytest.mark.parametrize("case,source", [("temperature", "stand-in"),
                                          ("penalties", "stand-in"),
-                                         ("temperature", "index")])
+                                         ("temperature", "index"),
+                                         ("temperature", "rivals"),
+                                         ("penalties", "rivals")])
 def test_lookup_chains_keep_the_target_distribution(case, source, pair, raw_table, raw_np,
                                                     monkeypatch):
     """A continuation is a proposal without a q: each token is accepted with the target's
@@ -606,7 +643,8 @@ def test_lookup_chains_keep_the_target_distribution(case, source, pair, raw_tabl
     seqs, lookups = run_lookup(pair, raw_np, settings, monkeypatch, source=source)
     stat, df, p = chi_square(seqs, joint)
     print(f"\nlookup/{case}/{source}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against chi-square "
-          f"divergence >= {detectable(df):.3f}) continuation chains={lookups} in {N} runs")
+          f"divergence >= {detectable(df):.3f}) continuation "
+          f"{'trees' if source == 'rivals' else 'chains'}={lookups} in {N} runs")
     assert lookups >= N // 2  # the continuation was verified, often
     assert p >= ALPHA, f"lookup/{case}: chi2={stat:.1f} on {df} df, p={p:.2e}"
 
@@ -634,3 +672,29 @@ def test_lookup_chains_accepted_as_if_greedy_fail_the_same_test(pair, raw_table,
     print(f"\nBROKEN lookup acceptance: chi2={stat:.1f} df={df} p={p:.3g}; power at this "
           f"effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
     assert p < ALPHA, f"the test missed a broken continuation acceptance: p={p:.3g}"
+
+
+def test_rival_trees_that_trust_a_continuation_fail_the_same_test(pair, raw_table, raw_np,
+                                                                  monkeypatch):
+    """Power for trees of competing continuations: half the time the walk steps into a child the
+    target did not draw (a continuation trusted more than the target's probability of it)."""
+    walk, rng = speculative.walk, np.random.default_rng(0)
+
+    def trusting(tree, targets):
+        path, bonus = walk(tree, targets)
+        node = path[-1] if path else 0
+        kids = [i for i in range(1, len(tree)) if tree.parents[i] == node]
+        if kids and rng.random() < 0.5:
+            path, bonus = path + [kids[0]], targets[kids[0]]
+        return path, bonus
+
+    settings = CASES["temperature"]
+    cost_model(target_parts(pair[0]), pair[1])
+    monkeypatch.setattr(speculative, "walk", trusting)
+    joint = exact_joint(reference_next(raw_table, settings))
+    seqs, trees = run_lookup(pair, raw_np, settings, monkeypatch, source="rivals")
+    stat, df, p = chi_square(seqs, joint)
+    print(f"\nBROKEN rival-tree walk: chi2={stat:.1f} df={df} p={p:.3g} trees={trees}; power at "
+          f"this effect (alpha={ALPHA}, N={N}): {power(stat, df):.6f}")
+    assert trees >= N // 2
+    assert p < ALPHA, f"the test missed a walk that trusts a continuation: p={p:.3g}"
