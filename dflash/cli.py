@@ -175,6 +175,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "the prefix cache): key (default: the same API key's only), all (one "
                         "shared by every client: single-user machines), none (no reuse across "
                         "requests)")
+    g.add_argument("--rank-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="a target sharded under mlx.launch: seconds a generation may go without "
+                        "finishing a cycle before the other ranks count as gone and every "
+                        "client gets a 503 (default 20)")
     g.add_argument("--index-budget", type=int, default=None, metavar="TOKENS",
                    help="tokens each continuation index holds, the oldest dropped first "
                         "(default 262144)")
@@ -460,8 +464,8 @@ def chat_stats(totals: dict, last: dict | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load, then serve until Ctrl-C."""
-    single_process_only("dflash serve")
+    """Load, then serve until Ctrl-C (sharded under mlx.launch: rank 0 serves, the others
+    follow its generations)."""
     for name in ("port", "default_max_tokens", "max_queue"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise CLIError(f"--{name.replace('_', '-')} {getattr(args, name)}: out of range",
@@ -477,14 +481,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.index_budget is not None and args.index_budget < 1:
         raise CLIError(f"--index-budget {args.index_budget}: must be a positive number of "
                        "tokens", code=2)
+    if args.rank_timeout <= 0:
+        raise CLIError(f"--rank-timeout {args.rank_timeout}: must be > 0 seconds", code=2)
+    from . import distributed
+    from .errors import RankLost
     from .lookup import DEFAULT_BUDGET
     from .serving.scopes import read_keys_file
 
     keys = list(args.api_key or [])
     if args.api_keys_file is not None:
         keys += read_keys_file(args.api_keys_file)
-    from .serving import create_server, run  # MLX and the server load only for `serve`
+    from .serving import create_server, follow_server, run  # MLX and the server: `serve` only
 
+    if distributed.launched() and distributed.join().rank != 0:  # a sharded target's follower
+        follow_server(args.model, args.draft, max_concurrency=args.max_concurrency,
+                      share=args.share, index_budget=args.index_budget or DEFAULT_BUDGET,
+                      draft_window=args.draft_window, **kv_kwargs(args))
+        return 0
     server = create_server(args.model, args.draft, served_model_name=args.served_model_name,
                            max_context=args.max_context,
                            default_max_tokens=args.default_max_tokens,
@@ -492,8 +505,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_concurrency=args.max_concurrency, reasoning=args.reasoning,
                            pair_memory=args.pair_memory, api_keys=keys, share=args.share, **kv_kwargs(args),
                            index_budget=args.index_budget or DEFAULT_BUDGET,
-                           draft_window=args.draft_window)
-    run(server, host=args.host, port=args.port, log_level=args.log_level)
+                           draft_window=args.draft_window, rank_timeout=args.rank_timeout)
+    try:
+        run(server, host=args.host, port=args.port, log_level=args.log_level)
+    except RankLost as e:
+        raise CLIError(str(e), code=1) from None
     return 0
 
 
@@ -886,7 +902,7 @@ def single_process_only(what: str) -> None:
 
     if distributed.launched() and distributed.join().distributed:
         raise CLIError(f"{what} does not run on a target sharded over ranks yet (generate, "
-                       "chat and bench do; docs/distributed.md)", code=2)
+                       "chat, serve and bench do; docs/distributed.md)", code=2)
 
 
 def _errors():

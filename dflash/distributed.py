@@ -31,6 +31,7 @@ sampled run takes rank 0's seed on every rank, so every rank draws the same numb
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import traceback
@@ -272,6 +273,16 @@ def agreed_settings(ranks: Ranks, settings: dict) -> dict:
     """
     if not ranks.distributed:
         return settings
+    out = rank_safe_policy(settings)
+    if out.get("seed") is None:
+        out["seed"] = ranks.from_main(random_seed())
+    return out
+
+
+def rank_safe_policy(settings: dict) -> dict:
+    """``settings`` with a verify policy every rank plans alike under: ``fixed`` by default
+    (``confidence`` when ``min_confidence`` is given); ``GenerationConfigError`` naming the
+    policy for one that plans from this machine's timings. No communication."""
     out = dict(settings)
     policy = out.get("policy")
     if policy is None:
@@ -281,10 +292,12 @@ def agreed_settings(ranks: Ranks, settings: dict) -> dict:
             f"policy={policy!r}: a sharded target verifies with {' or '.join(RANK_SAFE_POLICIES)} "
             "(this policy plans from one machine's measured timings, which differ between ranks)")
     out["policy"] = policy
-    if out.get("seed") is None:
-        mine = int.from_bytes(os.urandom(4), "little") >> 1
-        out["seed"] = ranks.from_main(mine)
     return out
+
+
+def random_seed() -> int:
+    """A fresh sampling seed (non-negative int32), for rank 0 to hand to every rank."""
+    return int.from_bytes(os.urandom(4), "little") >> 1
 
 
 def text_from_main(ranks: Ranks, read) -> str | None:
@@ -311,6 +324,32 @@ def text_from_main(ranks: Ranks, read) -> str | None:
         else np.zeros(size, dtype=np.int32)
     every = np.array(mx.distributed.all_sum(mx.array(mine), group=ranks.group))
     return every.astype(np.uint8).tobytes().decode()
+
+
+def call_to_followers(ranks: Ranks, call: dict | None) -> None:
+    """Rank 0 hands ``call`` (JSON-able; ``None``: no more calls) to every other rank, which
+    receives it with :func:`call_from_main`. Two all-sums, as :func:`text_from_main`."""
+    def read() -> str:
+        if call is None:
+            raise EOFError
+        return json.dumps(call)
+
+    text_from_main(ranks, read)
+
+
+def call_from_main(ranks: Ranks) -> dict | None:
+    """The call rank 0 handed over with :func:`call_to_followers` (``None``: no more calls);
+    blocks until rank 0 sends one."""
+    def read() -> str:  # called on rank 0 only, which sends with call_to_followers instead
+        raise EOFError
+
+    text = text_from_main(ranks, read)
+    return None if text is None else json.loads(text)
+
+
+def other_ranks(ranks: Ranks) -> str:
+    """How an error names the ranks other than rank 0: ``rank 1``, or ``one of ranks 1-3``."""
+    return "rank 1" if ranks.size == 2 else f"one of ranks 1-{ranks.size - 1}"
 
 
 class _Discard:

@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,8 +152,20 @@ def test_bench_under_launch(two_rank_runs):
     assert run.stdout.count("speed-up") == 1 and "identical at T=0: yes" in run.stdout
 
 
+@pytest.fixture(scope="module")
+def hello_answer(two_rank_runs) -> str:
+    """``dflash generate``'s greedy answer to the chat message "Hello there" (12 tokens) on two
+    ranks of the dense fixture: the reference of ``chat`` and ``serve`` on the same setup."""
+    _, target, draft = two_rank_runs("qwen3")
+    gen = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
+                 "--max-tokens", "12", "--prompt", "Hello there", "--json",
+                 "--no-speedup-estimate")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    return json.loads(next(x for x in gen.stdout.splitlines() if x.startswith("{")))["text"]
+
+
 @pytest.mark.slow
-def test_chat_under_launch(two_rank_runs):
+def test_chat_under_launch(two_rank_runs, hello_answer):
     """``dflash chat`` on two ranks: rank 0 reads the lines (mlx.launch copies stdin to every
     rank and never closes it, so the session ends with /exit), every rank runs each turn; the
     answer is ``dflash generate``'s on the same launch setup."""
@@ -159,11 +173,107 @@ def test_chat_under_launch(two_rank_runs):
     pair = ("--model", str(target), "--draft", str(draft), "--max-tokens", "12")
     chat = launch("-m", "dflash", "chat", *pair, "--quiet", stdin="Hello there\n/exit\n")
     assert chat.returncode == 0, chat.stderr[-3000:]
-    gen = launch("-m", "dflash", "generate", *pair, "--prompt", "Hello there", "--json",
-                 "--no-speedup-estimate")
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    answer = json.loads(next(x for x in gen.stdout.splitlines() if x.startswith("{")))["text"]
-    assert chat.stdout == answer + "\n"
+    assert chat.stdout == hello_answer + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The process of ``rank`` that the launcher ``launcher`` started (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"MLX_RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
+    """``dflash serve`` on two ranks: rank 0 serves, rank 1 follows its generations. A chat
+    completion, streamed or not, is ``dflash generate``'s answer on the same setup; a seeded
+    sampled one reproduces; one whose client leaves mid-stream stops on both ranks. Rank 1
+    killed mid-stream: the open stream ends with an error naming
+    it within 30 s, a new request gets a 503 naming it, and the server exits."""
+    if not Path("/proc/self/environ").is_file():
+        pytest.skip("finding rank 1's process reads /proc")
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        pytest.skip("mlx.launch is not on PATH")
+    _, target, draft = two_rank_runs("qwen3")
+    port, root = free_port(), Path(__file__).parents[1]
+    out, err = (tmp_path / "serve.out").open("w"), (tmp_path / "serve.err").open("w")
+    proc = subprocess.Popen(
+        [launcher, "-n", "2", "--backend", "ring", sys.executable, "-m", "dflash", "serve",
+         "--model", str(target), "--draft", str(draft), "--port", str(port),
+         "--log-level", "warning"],
+        stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=root, start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(root)))
+    base = f"http://127.0.0.1:{port}"
+    logs = lambda: (tmp_path / "serve.err").read_text()[-3000:]  # noqa: E731
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while True:
+            assert proc.poll() is None, logs()
+            assert time.monotonic() < deadline, logs()
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120)
+        hello = dict(model="default", messages=[{"role": "user", "content": "Hello there"}],
+                     max_tokens=12, temperature=0)
+        whole = client.chat.completions.create(**hello).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(**hello, stream=True) if c.choices)
+        assert whole == hello_answer and streamed == hello_answer
+        sampled = [client.chat.completions.create(**{**hello, "temperature": 0.9, "seed": 3})
+                   .choices[0].message.content for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        # A client that leaves mid-stream stops the generation on both ranks at the same cycle:
+        # the next request is answered, and alike.
+        body = {"model": "default", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines), next(lines)
+        assert client.chat.completions.create(**hello).choices[0].message.content == hello_answer
+
+        follower = rank_pid(proc.pid, 1)
+        assert follower is not None
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = [next(lines)]
+            os.kill(follower, signal.SIGKILL)
+            killed = time.monotonic()
+            seen += list(lines)
+        assert time.monotonic() - killed < 30
+        tail = "\n".join(seen[-3:])
+        assert "rank 1 of the sharded target" in tail and '"finish_reason": "length"' not in tail
+        late = httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert late.status_code == 503 and "rank 1 of the sharded target" in late.text
+        proc.wait(timeout=60)
+        assert "rank 1 of the sharded target" in logs()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+        err.close()
 
 
 @pytest.mark.slow
@@ -251,6 +361,63 @@ def test_settings_unchanged_without_a_launch():
 
     settings = {"policy": None, "seed": None, "min_confidence": None}
     assert distributed.agreed_settings(Ranks(), settings) is settings
+
+
+def test_sharded_server_refuses_batching_naming_the_option():
+    from dflash.errors import ServerConfigError
+    from dflash.ranks import Ranks
+    from dflash.serving.sharded import check_sharded_concurrency
+
+    check_sharded_concurrency(None, Ranks(0, 2))
+    check_sharded_concurrency(1, Ranks(0, 2))
+    with pytest.raises(ServerConfigError, match="--max-concurrency 4: a target sharded over 2"):
+        check_sharded_concurrency(4, Ranks(0, 2))
+
+
+def test_engine_calls_cross_to_the_followers_unchanged():
+    from dflash import distributed
+    from dflash.ranks import Ranks
+    from dflash.serving.sharded import from_wire, to_wire
+
+    kwargs = {"temperature": 0.7, "top_p": 0.9, "seed": 12, "stop": ["\n\n"], "max_tokens": 5,
+              "logit_bias": {17: -100.0, 3: 2.5}, "policy": "fixed", "kv_bits": None}
+    assert from_wire(json.loads(json.dumps(to_wire(kwargs)))) == kwargs
+    # one rank: the call is what rank 0 holds, no collective
+    assert distributed.call_to_followers(Ranks(), {"a": 1}) is None
+    assert distributed.call_from_main(Ranks()) is None
+    assert distributed.other_ranks(Ranks(0, 2)) == "rank 1"
+    assert distributed.other_ranks(Ranks(0, 4)) == "one of ranks 1-3"
+    with pytest.raises(ValueError, match="policy='tree': a sharded target verifies"):
+        distributed.rank_safe_policy({"policy": "tree"})
+    assert distributed.rank_safe_policy({"min_confidence": 0.5})["policy"] == "confidence"
+
+
+def test_a_lost_rank_fails_every_open_queued_and_later_job():
+    from dflash.errors import RankLost
+    from dflash.ranks import Ranks
+    from dflash.serving.worker import Job, Worker
+
+    class Loop:  # delivers at once, as the event loop would
+        def call_soon_threadsafe(self, put, item):
+            put(item)
+
+    class Out(list):
+        put_nowait = list.append
+
+    heard = []
+    worker = Worker(loader=lambda: None, metrics=None, ranks=Ranks(0, 2))
+    worker.on_lost = lambda: heard.append(True)
+    running, queued = (Job([1], {}, loop=Loop(), out=Out()) for _ in range(2))
+    worker.current = running
+    worker.submit(queued)
+    worker.lose("rank 1 of the sharded target is gone")
+    worker.lose("a second time: ignored")
+    for job in (running, queued):
+        assert [(k, str(v)) for k, v in job.out] == [
+            ("error", "rank 1 of the sharded target is gone")]
+    assert worker.queue_depth == 0 and heard == [True]
+    with pytest.raises(RankLost, match="rank 1 of the sharded target is gone"):
+        worker.submit(Job([1], {}, loop=Loop(), out=Out()))
 
 
 # ---------------------------------------------------------------------------------------------

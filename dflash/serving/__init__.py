@@ -5,6 +5,7 @@
 - ``worker``: the one thread that owns the model, its FIFO queue and the admission limits
 - ``metrics``: ``/metrics`` through prometheus_client, one registry per server
 - ``scopes``: API keys, and whose earlier text (index, prefix cache) a request may reuse
+- ``sharded``: a target sharded over ranks: rank 0 hands each generation to the others
 - ``reasoning``: the ``<think>`` split (pure text)
 - ``openai_format``: OpenAI's response, chunk and usage shapes
 - ``anthropic_format``: Anthropic's Messages API: its bodies in, its blocks and events out
@@ -13,6 +14,6 @@
 FastAPI, uvicorn and prometheus_client are imported only when a server is built.
 """
 
-from .app import Server, create_server, run
+from .app import Server, create_server, follow_server, run
 
-__all__ = ["Server", "create_server", "run"]
+__all__ = ["Server", "create_server", "follow_server", "run"]

@@ -22,8 +22,12 @@ FastAPI, uvicorn and prometheus_client are imported only when a server is built
 import asyncio
 import contextlib
 import contextvars
+import os
+import signal
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from .. import __version__
 from ..console import log
@@ -33,11 +37,13 @@ from ..errors import (
     GenerationCancelled,
     MissingDependencyError,
     QueueFull,
+    RankLost,
     ServerConfigError,
     ServerStartError,
 )
 from ..lookup import DEFAULT_BUDGET
-from ..pair import load_pair
+from ..pair import Pair, load_pair
+from ..ranks import Ranks
 from ..speculative import DFlashResponse
 from ..stats import generation_stats
 from ..target import QUANTIZED_KV_START, KVQuantization, target_parts
@@ -58,14 +64,17 @@ from .responses_format import (
     response_body,
 )
 from .scopes import LOCAL_HOSTS, APIKeys, Scopes
+from .sharded import check_sharded_concurrency, follow
 from .tools import AnswerSplitter, ToolCallSplitter, tool_format
-from .worker import Job, Worker
+from .worker import RANK_TIMEOUT, Job, Worker
 
 # Larger bodies get a 413 (no prompt that fits a context comes near it).
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Answered without an API key: liveness only (Claude Code sends ``HEAD /`` without its key
 # before its first request).
 OPEN_PATHS = ("/", "/health")
+# Seconds a sharded server whose other ranks are gone keeps answering 503 before it exits.
+LOST_GRACE = 10.0
 SHARED = {"key": "index and prefix cache per API key",
           "all": "index and prefix cache shared by all clients",
           "none": "no index or prefix cache across requests"}
@@ -147,6 +156,8 @@ class Server:
         except GenerationCancelled:
             raise APIError(503, "the generation was cancelled", type_="server_error",
                            code="cancelled") from None
+        except RankLost as e:
+            raise APIError(503, str(e), type_="server_error", code="rank_lost") from None
         except DFlashError as e:  # the engine rejected a setting: the client's to fix
             raise config_error(e) from None
         except Exception as e:  # anything else the engine raised, reported to the client
@@ -325,6 +336,9 @@ def build_app(server: Server):
 
     @app.get("/health")
     async def health():
+        if server.worker.lost is not None:
+            return JSONResponse({"status": "error", "error": str(server.worker.lost)},
+                                status_code=503)
         return server.health()
 
     @app.api_route("/", methods=["GET", "HEAD"])
@@ -471,7 +485,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   share: str = "key", index_budget: int = DEFAULT_BUDGET,
                   kv_bits: int | None = None, kv_group_size: int = 64,
                   quantized_kv_start: int = QUANTIZED_KV_START,
-                  draft_window: int | None = None) -> Server:
+                  draft_window: int | None = None,
+                  rank_timeout: float = RANK_TIMEOUT) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
@@ -482,6 +497,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds; ``kv_bits``,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
     (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
+    Under ``mlx.launch`` with a sharded target this is rank 0's server (the other ranks run
+    :func:`follow_server`): one generation at a time; ``rank_timeout``: seconds without a finished
+    cycle before the other ranks count as gone.
     """
     keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
@@ -495,6 +513,10 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                 f"kv_bits={kv_bits}: quantized KV caches decode one sequence at a time; "
                 f"max_concurrency={max_concurrency} must be 1")
         max_concurrency = 1
+    ranks = sharded_ranks()
+    if ranks is not None:  # rank 0 of a sharded target: one generation at a time
+        check_sharded_concurrency(max_concurrency, ranks)
+        max_concurrency = 1
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -504,21 +526,56 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                                      "pip install 'dflash[serve]'") from None
     from .metrics import Metrics
 
+    worker = Worker(pair_loader(model, draft, draft_window, quiet), Metrics(),
+                    max_queue=max_queue, max_concurrency=max_concurrency,
+                    max_context=max_context, block_size=block_size,
+                    pair_memory=pair_memory, scopes=scopes, ranks=ranks,
+                    rank_timeout=rank_timeout).start()
+    return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
+                  default_max_tokens=default_max_tokens, block_size=block_size,
+                  reasoning=reasoning, keys=keys,
+                  kv=None if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size,
+                                              "quantized_kv_start": kv.start})
+
+
+def sharded_ranks() -> Ranks | None:
+    """The ranks of a launch that shards the target (``None``: one process, or one rank)."""
+    from .. import distributed
+
+    if not distributed.launched():
+        return None
+    ranks = distributed.join()
+    return ranks if ranks.distributed else None
+
+
+def pair_loader(model: str | None, draft: str | None, draft_window: int | None = None,
+                quiet: bool = False) -> Callable[[], Pair]:
+    """What loads the served pair (every rank of a sharded target loads it the same way)."""
     def load():
         pair = load_pair(model, draft, log=None if quiet else log)
         if draft_window is not None:  # tokens of context the drafter attends to
             pair.draft.set_window(draft_window, "draft_window")
         return pair
 
-    worker = Worker(load, Metrics(),
-                    max_queue=max_queue, max_concurrency=max_concurrency,
-                    max_context=max_context, block_size=block_size,
-                    pair_memory=pair_memory, scopes=scopes).start()
-    return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
-                  default_max_tokens=default_max_tokens, block_size=block_size,
-                  reasoning=reasoning, keys=keys,
-                  kv=None if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size,
-                                              "quantized_kv_start": kv.start})
+    return load
+
+
+def follow_server(model: str | None = None, draft: str | None = None, *,
+                  max_concurrency: int | None = None, share: str = "key",
+                  index_budget: int = DEFAULT_BUDGET, kv_bits: int | None = None,
+                  kv_group_size: int = 64, quantized_kv_start: int = QUANTIZED_KV_START,
+                  draft_window: int | None = None) -> None:
+    """A rank other than 0 of a sharded server: the same checks as :func:`create_server`, then
+    every generation rank 0's server runs, until it stops (:func:`.sharded.follow`)."""
+    ranks = sharded_ranks()
+    scopes = Scopes(share, index_budget)
+    if draft_window is not None:
+        from ..drafter import check_window
+
+        check_window(draft_window, 1, "draft_window")
+    KVQuantization.from_settings(kv_bits, kv_group_size, quantized_kv_start)
+    check_sharded_concurrency(max_concurrency, ranks)
+    follow(ranks, pair_loader(model, draft, draft_window, quiet=True), scopes)
 
 
 def open_warning(host: str, keys: APIKeys) -> str | None:
@@ -553,12 +610,28 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
 
     class UvicornServer(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if worker.ranks is not None and sig == signal.SIGTERM:
+                # mlx.launch ends the other ranks this way when one of them exits: every
+                # client hears it (503) until the server stops, LOST_GRACE seconds later.
+                from .. import distributed
+
+                worker.lose(f"{distributed.other_ranks(worker.ranks)} of the sharded target "
+                            "stopped (mlx.launch is ending the launch); this server cannot "
+                            "generate until the launch is restarted")
+                return
             # End open streams now (they get an in-band error and close), so that the graceful
             # shutdown does not have to wait for long generations.
             worker.cancel_all()
             super().handle_exit(sig, frame)
 
     userver = UvicornServer(config)
+
+    def stop_later():  # new clients still get the 503 for a while, then the server exits
+        timer = threading.Timer(LOST_GRACE, lambda: setattr(userver, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    worker.on_lost = stop_later
     try:
         userver.run()
     except SystemExit:
@@ -566,6 +639,13 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
             raise
         # uvicorn exits the process when it cannot bind; report it as one line instead.
     finally:
-        worker.stop()
+        worker.stop(timeout=2.0 if worker.lost is not None else 30.0)
+    if worker.lost is not None:
+        if worker.thread.is_alive():
+            # The engine thread waits inside a collective no other rank will join; it cannot
+            # be ended, and the interpreter's exit would wait for it. (lose() logged why.)
+            sys.stderr.flush()
+            os._exit(1)
+        raise worker.lost
     if not userver.started:
         raise ServerStartError(f"could not listen on {host}:{port}")

@@ -13,6 +13,10 @@ serve every active request (on this CPU 4 sequences x 4 rows cost what 1 x 16 do
 that asks for its own block size, verify policy, ``min_confidence`` or tree budget cannot share
 the batch's: it waits for the batch to drain and runs alone through the single-sequence engine
 (trees included). ``max_concurrency`` 1 is the single-sequence engine for every request.
+Given the ranks of a sharded target, the worker runs one generation at a time and hands each
+engine call to the other ranks first (:mod:`.sharded`); a rank that is gone (a collective failed,
+mlx.launch ended the launch, or no cycle finished for ``rank_timeout`` seconds) fails every open
+and later job with ``RankLost``.
 This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelled job
 ``GenerationCancelled``, and a failed one re-raises the engine's own exception.
 """
@@ -29,16 +33,23 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import distributed
 from ..backend import compute_dtype, release_thread_streams
 from ..batch import ENGINE_SETTINGS, BatchEvent, BatchGenerator
-from ..errors import GenerationCancelled, QueueFull
+from ..console import log
+from ..errors import GenerationCancelled, QueueFull, RankLost
 from ..policy.memory import PairMemory
+from ..ranks import Ranks
 from ..speculative import DFlashResponse, stream_generate
 from ..target import target_parts
 from .scopes import Scope, Scopes
+from .sharded import to_wire
 
 MAX_DEFAULT_CONCURRENCY = 16
 KV_MEMORY_SHARE = 0.5  # of the memory the weights leave free
+# Seconds a sharded generation may go without finishing a cycle (or a prefill chunk) before the
+# other ranks count as gone (a rank that hangs instead of exiting).
+RANK_TIMEOUT = 20.0
 
 
 def _memory_bytes() -> int:
@@ -101,6 +112,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None  # when the first generated token was ready
+    last: DFlashResponse | None = None  # the latest response handed to the client
 
     @property
     def queue_time(self) -> float:
@@ -124,7 +136,8 @@ class Worker:
     def __init__(self, loader: Callable[[], Any], metrics: Any, max_queue: int = 64,
                  max_concurrency: int | None = 1, max_context: int | None = None,
                  block_size: int | None = None, pair_memory: str | None = None,
-                 scopes: Scopes | None = None):
+                 scopes: Scopes | None = None, ranks: Ranks | None = None,
+                 rank_timeout: float = RANK_TIMEOUT):
         self.loader = loader
         self.metrics = metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: admission in arrival order
@@ -142,6 +155,14 @@ class Worker:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        # A sharded target's ranks (None: one process), what went wrong with them, who hears it.
+        self.ranks = ranks if ranks is not None and ranks.distributed else None
+        self.rank_timeout = rank_timeout
+        self.lost: RankLost | None = None
+        self.on_lost: Callable[[], None] | None = None
+        self._lost_lock = threading.Lock()
+        self._beat = time.monotonic()  # when the sharded engine last finished a step
+        self._stopping = threading.Event()
 
     def start(self) -> Worker:
         """Start the thread and wait until the pair is loaded (re-raising a load error here)."""
@@ -151,29 +172,61 @@ class Worker:
             # Let the thread release its MLX streams before the error can reach the exit.
             self.thread.join()
             raise self._load_error
+        if self.ranks is not None:
+            threading.Thread(target=self._watch_ranks, name="dflash-ranks", daemon=True).start()
         return self
 
-    def cancel_all(self) -> None:
-        """Stop the running generation at its next cycle and drop every queued one."""
-        for job in [self.current, *list(self.running.values())]:
-            if job is not None:
-                job.cancel.set()
-        kept = []
+    def lose(self, reason: str) -> None:
+        """The other ranks are gone: every running, queued and later job fails with
+        ``RankLost(reason)``; ``on_lost`` hears it once."""
+        with self._lost_lock:
+            if self.lost is not None:
+                return
+            self.lost = RankLost(reason)
+        log(f"error: {reason}")
+        for job in [*self._open_jobs(), *self._take_queued()]:
+            job.emit("error", RankLost(reason))
+        if self.on_lost is not None:
+            self.on_lost()
+
+    def _watch_ranks(self) -> None:
+        """A rank that hangs never fails a collective: a generation with no step finished for
+        ``rank_timeout`` seconds counts the other ranks as gone."""
+        while not self._stopping.wait(1.0) and self.lost is None:
+            waited = time.monotonic() - self._beat
+            if self.current is not None and waited > self.rank_timeout:
+                self.lose(f"no answer from {distributed.other_ranks(self.ranks)} of the sharded "
+                          f"target for {waited:.0f} s (a rank hangs or its link is down); this "
+                          "server cannot generate until the launch is restarted")
+
+    def _open_jobs(self) -> list[Job]:
+        """The jobs generating now."""
+        return [job for job in [self.current, *list(self.running.values())] if job is not None]
+
+    def _take_queued(self) -> list[Job]:
+        """Every queued job, taken off the queue (the shutdown marker stays on it)."""
+        taken, kept = [], []
         while True:
             try:
                 pending = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if pending is None:
-                kept.append(pending)
-            else:
-                pending.cancel.set()
-                pending.emit("cancelled")
+            (kept if pending is None else taken).append(pending)
         for item in kept:
             self.jobs.put(item)
+        return taken
+
+    def cancel_all(self) -> None:
+        """Stop the running generation at its next cycle and drop every queued one."""
+        for job in self._open_jobs():
+            job.cancel.set()
+        for pending in self._take_queued():
+            pending.cancel.set()
+            pending.emit("cancelled")
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and end the worker thread (MLX must be idle before exit)."""
+        self._stopping.set()
         self.cancel_all()
         self.jobs.put(None)
         if self.thread.is_alive() and self.thread is not threading.current_thread():
@@ -193,6 +246,8 @@ class Worker:
         return len(self.running) or int(self.current is not None)
 
     def submit(self, job: Job) -> None:
+        if self.lost is not None:
+            raise RankLost(str(self.lost))
         if self.jobs.qsize() >= self.max_queue:
             raise QueueFull(f"{self.jobs.qsize()} requests are already waiting; retry later")
         self.jobs.put(job)
@@ -265,12 +320,19 @@ class Worker:
             job = solo if solo is not None else self.jobs.get()
             solo = None
             if job is None:
+                if self.ranks is not None and self.lost is None:
+                    self._release_followers()
                 return
             if job.cancel.is_set():  # its client left while it waited
                 self.metrics.cancelled_generation()
                 job.emit("cancelled")
                 continue
-            self._run_alone(job)
+            if self.lost is not None:
+                job.emit("error", RankLost(str(self.lost)))
+            elif self.ranks is not None:
+                self._run_sharded(job)
+            else:
+                self._run_alone(job)
 
     def _drop_running(self) -> None:
         for job in self.running.values():
@@ -352,32 +414,86 @@ class Worker:
         """The single-sequence engine for one job."""
         self.current = job
         job.started = time.perf_counter()
-        last = None
         try:
             gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
                                   job.prompt_ids, memory=self.memory, **_scoped(job),
                                   **job.kwargs)
-            for r in gen:
-                last = r
-                if job.first_token is None and r.tokens:
-                    job.first_token = time.perf_counter()
-                job.emit("chunk", r)
-                if job.cancel.is_set():
-                    gen.close()
-                    break
-            if job.cancel.is_set() and (last is None or last.finish_reason is None):
-                self.metrics.cancelled_generation()
-                job.emit("cancelled")
-            else:
-                job.emit("done")
+            self._relay(job, gen, lambda: not job.cancel.is_set())
         except Exception as e:  # reported to the client; the worker keeps serving
             if not isinstance(e, ValueError):
                 traceback.print_exc()
             job.emit("error", e)
         finally:
-            if last is not None:
-                self.metrics.generation(last, **job_timing(job, last))
+            self._finished(job)
+
+    def _relay(self, job: Job, gen, go_on: Callable[[], bool]) -> None:
+        """Each response of ``gen`` to the job's client until it ends, or until ``go_on()``
+        (asked after each) says stop; then "done", or "cancelled" when its client left."""
+        for r in gen:
+            self._beat_now()
+            job.last = r
+            if job.first_token is None and r.tokens:
+                job.first_token = time.perf_counter()
+            job.emit("chunk", r)
+            if not go_on():
+                gen.close()
+                break
+        if job.cancel.is_set() and (job.last is None or job.last.finish_reason is None):
+            self.metrics.cancelled_generation()
+            job.emit("cancelled")
+        else:
+            job.emit("done")
+
+    def _finished(self, job: Job) -> None:
+        if job.last is not None:
+            self.metrics.generation(job.last, **job_timing(job, job.last))
+        self.current = None
+
+
+    def _beat_now(self, *_progress) -> None:
+        self._beat = time.monotonic()
+
+    def _release_followers(self) -> None:
+        """Tell the other ranks there are no more calls (they exit)."""
+        try:
+            distributed.call_to_followers(self.ranks, None)
+        except Exception:  # they are gone already
+            pass
+
+    def _run_sharded(self, job: Job) -> None:
+        """One job on every rank: its call handed to the other ranks, then the single-sequence
+        engine here, and after each cycle whether the ranks go on (the same cycle everywhere)."""
+        self.current = job
+        job.started = time.perf_counter()
+        try:
+            kwargs = distributed.rank_safe_policy(job.kwargs)  # auto/tree: the client's error
+            if kwargs.get("seed") is None:  # sampled: every rank draws from rank 0's seed
+                kwargs["seed"] = distributed.random_seed()
+        except ValueError as e:
+            job.emit("error", e)
             self.current = None
+            return
+        scope = job.scope if job.scope is not None else self.scopes.get(None)
+        self._beat_now()
+        try:
+            distributed.call_to_followers(self.ranks, {
+                "prompt_ids": list(job.prompt_ids), "kwargs": to_wire(kwargs),
+                "scope": scope.name})
+            gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
+                                  job.prompt_ids, memory=self.memory, index=scope.index,
+                                  prompt_cache=scope.prompt_cache,
+                                  prompt_progress_callback=self._beat_now, **kwargs)
+            # the same stop decision on every rank: rank 0's
+            self._relay(job, gen, lambda: bool(self.ranks.from_main(int(not job.cancel.is_set()))))
+        except ValueError as e:  # a setting the engine refused, on every rank alike
+            job.emit("error", e)
+        except Exception as e:  # a collective failed, or the ranks are out of step
+            if self.lost is None:
+                traceback.print_exc()
+            self.lose(f"{distributed.other_ranks(self.ranks)} of the sharded target is gone "
+                      f"({e}); this server cannot generate until the launch is restarted")
+        finally:
+            self._finished(job)
 
 
 def _scoped(job: Job) -> dict:
