@@ -11,7 +11,9 @@ Design:
   layer: row ``b`` owns slots ``0 .. length_b - 1``, a pass writes each row's new keys after its
   own length, the mask hides the rest, RoPE reads one offset per row, and roll-back is setting a
   row's length. No copy per cycle (mlx-lm's left-padded ``BatchKVCache`` would need each row
-  re-aligned after a partial acceptance), and mlx-lm's own attention modules run unchanged.
+  re-aligned after a partial acceptance), and mlx-lm's own attention modules run unchanged. A
+  drafter with a draft window keeps a :class:`~dflash.ragged_cache.RaggedWindowCache` per layer
+  instead: each row only the positions its window still sees.
 * **One step** (:meth:`BatchGenerator.step`): cancelled sequences leave; at most
   ``prefill_chunk`` prompt tokens are prefilled, from the head of the queue (each prompt alone
   through ordinary caches: exactly the single-sequence prefill; short prompts arriving together
@@ -234,7 +236,7 @@ class BatchGenerator:
         self.rows: list[_Sequence] = []  # decoding; row i of the batch caches
         self.cache = [RaggedKVCache() if type(c) is KVCache else RaggedArraysCache()
                       for c in make_cache(self.parts)]
-        self.dcache = [RaggedKVCache() for _ in draft.layers]
+        self.dcache = draft.make_batch_cache()
         self.cancelled: set[int] = set()
         self.next_uid = 0
         self.stalled = 0  # prompt tokens prefilled since the last decode cycle

@@ -27,7 +27,7 @@ from . import backend
 from .checkpoint import drafter_weights, read_config, read_weights, resolve_path
 from .dflash2 import CandidateSelector, DFlash2Cache, GroupedDynamicConv, WindowCache, walk
 from .errors import DraftCheckpointError, GenerationConfigError
-from .ragged_cache import RaggedKVCache
+from .ragged_cache import RaggedKVCache, RaggedWindowCache
 
 V1, V2 = "DFlashDraftModel", "DFlash2DraftModel"
 ARCHITECTURES = (V1, V2)
@@ -435,6 +435,13 @@ class DFlashDraftModel(nn.Module):
         positions a block's anchor can see (:class:`~dflash.dflash2.WindowCache`)."""
         return [KVCache() if layer.self_attn.sliding_window is None
                 else WindowCache(layer.self_attn.sliding_window - 1) for layer in self.layers]
+
+    def make_batch_cache(self) -> list[RaggedKVCache]:
+        """:meth:`make_cache` for the batched engine: one ragged context cache per layer, a
+        windowed layer's keeping each row's last ``window - 1`` positions only."""
+        return [RaggedKVCache() if layer.self_attn.sliding_window is None
+                else RaggedWindowCache(layer.self_attn.sliding_window - 1)
+                for layer in self.layers]
 
     def project_context(self, taps: mx.array) -> mx.array:
         """Concatenated target layer outputs ``(B, T, n_taps*hidden)`` -> context rows."""

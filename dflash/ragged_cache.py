@@ -16,9 +16,11 @@ right-ragged instead:
 
 The mlx-lm attention modules call it through ``update_and_fetch`` and the model's mask through
 ``make_mask``, like any mlx-lm cache. Sliding windows are not supported for targets (the engine
-falls back to one sequence at a time for such targets); a windowed drafter's context window is a
-mask (:meth:`RaggedKVCache.context_mask`): each row sees its last positions, while the batch's
-buffer keeps every row's whole context.
+falls back to one sequence at a time for such targets). A windowed drafter's context window is a
+mask (:meth:`RaggedKVCache.context_mask`: each row sees its last positions), and its layers keep
+a :class:`RaggedWindowCache`, which drops from each row the positions no later block can see, so
+the batch's drafter memory stays flat as contexts grow, as one sequence's
+:class:`~dflash.dflash2.WindowCache` does.
 
 A sequence moves between a batch and its own ordinary caches (``KVCache``, ``ArraysCache``):
 :meth:`RaggedKVCache.add_cache` makes one a new row, :meth:`RaggedKVCache.only_row` hands a
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .dflash2 import WindowCache
 
 
 class RaggedKVCache:
@@ -66,9 +70,9 @@ class RaggedKVCache:
         """Write ``n`` new tokens per row after each row's own length; every row's slots up to
         the longest row's new end (the mask hides what a row does not own)."""
         n = keys.shape[2]
-        end = max(self.lengths) + n
-        self._reserve(end)
-        slots = (self.offset[:, None] + mx.arange(n)[None])[:, None, :, None]
+        self._make_room(n)
+        end = max(self._used()) + n
+        slots = (self._next_slots()[:, None] + mx.arange(n)[None])[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape), values,
                                         axis=2)
@@ -76,8 +80,18 @@ class RaggedKVCache:
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        end = max(self.lengths)
+        end = max(self._used())
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    # Where rows sit in the buffer: slot = position here (a bounded subclass shifts them).
+    def _used(self) -> list[int]:
+        return self.lengths
+
+    def _next_slots(self) -> mx.array:
+        return self.offset
+
+    def _make_room(self, n: int) -> None:
+        self._reserve(max(self.lengths) + n)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None
                   ) -> mx.array:
@@ -153,6 +167,151 @@ class RaggedKVCache:
         self.keys = self.keys[index, :, :capacity]
         self.values = self.values[index, :, :capacity]
         self.set_lengths(lengths)
+
+
+class RaggedWindowCache(RaggedKVCache):
+    """A windowed drafter layer's context for several sequences: each row keeps at least its
+    last ``size`` positions (``window - 1``: all a block's anchor can see) and drops older ones.
+
+    Row ``b``'s slot ``s`` holds position ``base[b] + s``; ``offset`` (RoPE's, the block's start)
+    stays the row's absolute length. The context keys are rotated when written, so where a
+    position sits in the buffer does not matter to attention, only the mask, which reads
+    positions from ``base``. Appends write in place; when the buffer is full, every row's
+    window is moved to the front in one gather (once per ``slack`` appended rows, as
+    :class:`~dflash.dflash2.WindowCache` re-lays one sequence's), into a buffer of
+    ``size + slack`` slots, or what one append needs where it is longer.
+    """
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+        self.slack = min(size, WindowCache.max_slack)
+        self.base: list[int] = []
+        self._base = mx.array([], dtype=mx.int32)
+
+    def _set_base(self, base: list[int]) -> None:
+        self.base = [int(b) for b in base]
+        self._base = mx.array(self.base, dtype=mx.int32)
+
+    @property
+    def held(self) -> list[int]:
+        """Slots each row uses (its positions ``base[b] .. lengths[b] - 1``)."""
+        return [n - b for n, b in zip(self.lengths, self.base)]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def _slots_for(self, need: int) -> int:
+        """A buffer for ``need`` slots per row: grown in steps while the contexts are shorter
+        than the window, then ``size + slack`` (or ``need``, for a longer append)."""
+        if need + self.slack >= self.size:
+            return max(self.size + self.slack, need)
+        return -(-need // self.step) * self.step
+
+    def _make_room(self, n: int) -> None:
+        """Room for ``n`` more slots per row: in place while the buffer has it, else each row's
+        last ``size`` positions moved to the front of a buffer of ``size + slack`` slots."""
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if max(self.held) + n <= capacity:
+            return
+        base = [max(b, length - self.size) for b, length in zip(self.base, self.lengths)]
+        kept = max(length - b for b, length in zip(base, self.lengths))
+        need = kept + n
+        rows = self._slots_for(need)
+        shift = mx.array([new - old for new, old in zip(base, self.base)], dtype=mx.int32)
+        index = mx.minimum(shift[:, None] + mx.arange(kept)[None], capacity - 1)
+        index = index[:, None, :, None]
+        pad = [(0, 0), (0, 0), (0, rows - kept), (0, 0)]
+        self.keys = mx.pad(mx.take_along_axis(self.keys, index, axis=2), pad)
+        self.values = mx.pad(mx.take_along_axis(self.values, index, axis=2), pad)
+        self._set_base(base)
+
+    def _used(self) -> list[int]:
+        return self.held
+
+    def _next_slots(self) -> mx.array:
+        return self.offset - self._base
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None
+                  ) -> mx.array:
+        raise ValueError("RaggedWindowCache holds a drafter's context, not a target's")
+
+    def context_mask(self, n: int = 1, window: int | None = None) -> mx.array:
+        """As :meth:`RaggedKVCache.context_mask`, over the slots each row holds (slot ``s`` of
+        row ``b``: position ``base[b] + s``); the window is at most ``size + 1``."""
+        if window is None or window > self.size + 1:
+            raise ValueError(f"RaggedWindowCache({self.size}): a window of at most "
+                             f"{self.size + 1} positions, not {window}")
+        end = max(self.held)
+        slots = mx.arange(end)[None, None, None, :]
+        base = self._base[:, None, None, None]
+        length = self.offset[:, None, None, None]
+        queries = length + mx.arange(n)[None, None, :, None]
+        return (slots < length - base) & (queries - (base + slots) < window)
+
+    # -- rows join and leave ----------------------------------------------------------------
+
+    def add(self, keys: mx.array, values: mx.array, offset: int | None = None) -> None:
+        """A new row holding one sequence's last positions ``(1, heads, held, head_dim)``, the
+        last of them at ``offset - 1`` (default: it holds them all)."""
+        held = keys.shape[2]
+        offset = held if offset is None else offset
+        if held > self.size:
+            keys, values = keys[..., held - self.size:, :], values[..., held - self.size:, :]
+            held = self.size
+        if self.keys is None:
+            capacity = self._slots_for(held)
+        else:
+            capacity = self.keys.shape[2]
+            if held > capacity:
+                capacity = self._slots_for(held)
+                grow = [(0, 0), (0, 0), (0, capacity - self.keys.shape[2]), (0, 0)]
+                self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
+        pad = [(0, 0), (0, 0), (0, capacity - held), (0, 0)]
+        keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys])
+            values = mx.concatenate([self.values, values])
+        self.keys, self.values = keys, values
+        self.set_lengths(self.lengths + [offset])
+        self._set_base(self.base + [offset - held])
+
+    def add_cache(self, cache) -> None:
+        """A sequence's own ``WindowCache`` (or ``KVCache``) becomes a new row, its last
+        ``size`` positions only."""
+        keys, values = cache.keys_and_values()
+        held = min(keys.shape[2], cache.offset)
+        self.add(keys[..., :held, :], values[..., :held, :], cache.offset)
+
+    def only_row(self) -> WindowCache:
+        """The batch's one row as one sequence's ``WindowCache`` (sharing its buffer); the
+        batch is left empty."""
+        if self.batch != 1:
+            raise ValueError(f"only_row: the batch holds {self.batch} rows, not 1")
+        cache = WindowCache(self.size)
+        cache._keys, cache._values = self.keys, self.values
+        cache.used, cache.offset = self.held[0], self.lengths[0]
+        self.keys = self.values = None
+        self.set_lengths([])
+        self._set_base([])
+        return cache
+
+    def keep(self, rows: list[int]) -> None:
+        base = [self.base[i] for i in rows]
+        held = [self.lengths[i] - b for i, b in zip(rows, base)]
+        if not rows:
+            self.keys = self.values = None
+            self.set_lengths([])
+            self._set_base([])
+            return
+        capacity = max(self.size + self.slack, -(-max(held) // self.step) * self.step)
+        capacity = min(capacity, self.keys.shape[2])
+        index = mx.array(rows)
+        self.keys = self.keys[index, :, :capacity]
+        self.values = self.values[index, :, :capacity]
+        self.set_lengths([self.lengths[i] for i in rows])
+        self._set_base(base)
 
 
 class RaggedArraysCache:
