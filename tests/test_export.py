@@ -194,6 +194,9 @@ def test_command_line(tmp_path, tiny_pair, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["dtype"] == "bfloat16"
     assert main(["export", str(draft), str(tmp_path / "out")]) == 1
     assert "--force" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--help"])
+    assert e.value.code == 0 and "dflash export" in capsys.readouterr().out
 
 
 def test_transformers_reads_the_config(tmp_path, tiny_pair):
