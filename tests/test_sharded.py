@@ -10,6 +10,7 @@ are tested in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -197,42 +198,91 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+@contextlib.contextmanager
+def serving(target: Path, draft: Path, tmp_path: Path, *extra: str):
+    """``dflash serve`` on two ranks, once it answers ``/health``: ``(launcher, base URL, the
+    last of its stderr)``; every process of the launch is ended on the way out."""
+    httpx = pytest.importorskip("httpx")
+    launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        pytest.skip("mlx.launch is not on PATH")
+    if not Path("/proc/self/environ").is_file():
+        pytest.skip("finding rank 1's process reads /proc")
+    port, root = free_port(), Path(__file__).parents[1]
+    log = tmp_path / "serve.err"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [launcher, "-n", "2", "--backend", "ring", sys.executable, "-m", "dflash", "serve",
+             "--model", str(target), "--draft", str(draft), "--port", str(port),
+             "--log-level", "warning", *extra],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, cwd=root,
+            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(root)))
+        base = f"http://127.0.0.1:{port}"
+        logs = lambda: log.read_text()[-3000:]  # noqa: E731
+        try:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT
+            while True:
+                assert proc.poll() is None, logs()
+                assert time.monotonic() < deadline, logs()
+                try:
+                    if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            yield proc, base, logs
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def long_stream_then(base: str, do) -> tuple[str, float]:
+    """Start a long streamed completion, call ``do()`` after its first event, read the rest:
+    its last events and the seconds they took after ``do()``."""
+    import httpx
+
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = [next(lines)]
+        do()
+        done = time.monotonic()
+        seen += list(lines)
+    return "\n".join(seen[-3:]), time.monotonic() - done
+
+
+def assert_everybody_hears(base: str, proc, logs, message: str, tail: str, took: float) -> None:
+    """The open stream ended within 30 s with an error saying ``message``, a new request and
+    ``/health`` get a 503 saying it, and rank 0 exits with it."""
+    import httpx
+
+    assert took < 30 and message in tail and '"finish_reason": "length"' not in tail, tail
+    late = httpx.post(f"{base}/v1/completions", json={"model": "default", "prompt": "Hi",
+                                                      "max_tokens": 4}, timeout=30)
+    assert late.status_code == 503 and message in late.json()["error"]["message"]
+    health = httpx.get(f"{base}/health", timeout=30)
+    assert health.status_code == 503 and message in health.text
+    deadline = time.monotonic() + 60
+    while message not in logs() or "Node with rank 0 exited" not in logs():
+        assert time.monotonic() < deadline, logs()
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
     """``dflash serve`` on two ranks: rank 0 serves, rank 1 follows its generations. A chat
     completion, streamed or not, is ``dflash generate``'s answer on the same setup; a seeded
     sampled one reproduces; one whose client leaves mid-stream stops on both ranks. Rank 1
-    killed mid-stream: the open stream ends with an error naming
-    it within 30 s, a new request gets a 503 naming it, and the server exits."""
-    if not Path("/proc/self/environ").is_file():
-        pytest.skip("finding rank 1's process reads /proc")
-    httpx = pytest.importorskip("httpx")
+    killed mid-stream: the open stream ends with an error naming it within 30 s, a new request
+    gets a 503 naming it, and the server exits."""
+    import httpx
+
     openai = pytest.importorskip("openai")
-    launcher = shutil.which("mlx.launch")
-    if launcher is None:
-        pytest.skip("mlx.launch is not on PATH")
     _, target, draft = two_rank_runs("qwen3")
-    port, root = free_port(), Path(__file__).parents[1]
-    out, err = (tmp_path / "serve.out").open("w"), (tmp_path / "serve.err").open("w")
-    proc = subprocess.Popen(
-        [launcher, "-n", "2", "--backend", "ring", sys.executable, "-m", "dflash", "serve",
-         "--model", str(target), "--draft", str(draft), "--port", str(port),
-         "--log-level", "warning"],
-        stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=root, start_new_session=True,
-        env=dict(os.environ, PYTHONPATH=str(root)))
-    base = f"http://127.0.0.1:{port}"
-    logs = lambda: (tmp_path / "serve.err").read_text()[-3000:]  # noqa: E731
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        while True:
-            assert proc.poll() is None, logs()
-            assert time.monotonic() < deadline, logs()
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    with serving(target, draft, tmp_path) as (proc, base, logs):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120)
         hello = dict(model="default", messages=[{"role": "user", "content": "Hello there"}],
                      max_tokens=12, temperature=0)
@@ -245,8 +295,7 @@ def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
         assert sampled[0] == sampled[1]
         # A client that leaves mid-stream stops the generation on both ranks at the same cycle:
         # the next request is answered, and alike.
-        body = {"model": "default", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
-                "stream": True}
+        body = {"model": "default", "prompt": PROMPT, "max_tokens": 3000, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines), next(lines)
@@ -254,26 +303,25 @@ def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
 
         follower = rank_pid(proc.pid, 1)
         assert follower is not None
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            seen = [next(lines)]
-            os.kill(follower, signal.SIGKILL)
-            killed = time.monotonic()
-            seen += list(lines)
-        assert time.monotonic() - killed < 30
-        tail = "\n".join(seen[-3:])
-        assert "rank 1 of the sharded target" in tail and '"finish_reason": "length"' not in tail
-        late = httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=30)
-        assert late.status_code == 503 and "rank 1 of the sharded target" in late.text
-        proc.wait(timeout=60)
-        assert "rank 1 of the sharded target" in logs()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.close()
-        err.close()
+        tail, took = long_stream_then(base, lambda: os.kill(follower, signal.SIGKILL))
+        assert_everybody_hears(base, proc, logs, "rank 1 of the sharded target", tail, took)
+
+
+@pytest.mark.slow
+def test_serve_under_launch_with_a_hung_rank(two_rank_runs, tmp_path):
+    """Rank 1 stopped (not dead: no collective fails) mid-stream: after ``--rank-timeout``
+    seconds rank 0 answers the open stream and every new request with an error naming rank 1,
+    and exits."""
+    _, target, draft = two_rank_runs("qwen3")
+    with serving(target, draft, tmp_path, "--rank-timeout", "5") as (proc, base, logs):
+        follower = rank_pid(proc.pid, 1)
+        assert follower is not None
+        try:
+            tail, took = long_stream_then(base, lambda: os.kill(follower, signal.SIGSTOP))
+            assert_everybody_hears(base, proc, logs, "no answer from rank 1 of the sharded "
+                                   "target", tail, took)
+        finally:
+            os.kill(follower, signal.SIGCONT)  # mlx.launch waits for it to take its SIGTERM
 
 
 @pytest.mark.slow

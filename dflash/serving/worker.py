@@ -463,6 +463,7 @@ class Worker:
     def _run_sharded(self, job: Job) -> None:
         """One job on every rank: its call handed to the other ranks, then the single-sequence
         engine here, and after each cycle whether the ranks go on (the same cycle everywhere)."""
+        self._beat_now()  # before it is current: the watchdog times a current job from here
         self.current = job
         job.started = time.perf_counter()
         try:
@@ -474,7 +475,6 @@ class Worker:
             self.current = None
             return
         scope = job.scope if job.scope is not None else self.scopes.get(None)
-        self._beat_now()
         try:
             distributed.call_to_followers(self.ranks, {
                 "prompt_ids": list(job.prompt_ids), "kwargs": to_wire(kwargs),
