@@ -580,9 +580,11 @@ def run_lookup(pair, raw_np, settings: dict, monkeypatch, n: int = N,
                            draft_rows=[2, 4], draft_ms=LOOKUP_DRAFT)
     monkeypatch.setattr(speculative, "cost_model", lambda *a, **k: flat)
     index = ContinuationIndex(4096) if source == "index" else None
-    if source == "stand-in":
+    if source == "stand-in":  # (an attention-only target asks for the candidates)
         monkeypatch.setattr(ContextLookup, "find", lambda self, history, length:
                             Match(tuple(history[::-1][:length]), 2))
+        monkeypatch.setattr(ContextLookup, "candidates", lambda self, history, length:
+                            [Match(tuple(history[::-1][:length]), 2)])
     trees = through_rivals = 0
     if source == "rivals":
         def guess(history, length: int, rank: int) -> tuple[int, ...]:
