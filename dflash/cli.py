@@ -494,8 +494,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .serving import create_server, follow_server, run  # MLX and the server: `serve` only
 
     if distributed.launched() and distributed.join().rank != 0:  # a sharded target's follower
-        follow_server(args.model, args.draft, max_concurrency=args.max_concurrency,
-                      share=args.share, index_budget=args.index_budget or DEFAULT_BUDGET,
+        follow_server(args.model, args.draft, share=args.share,
+                      index_budget=args.index_budget or DEFAULT_BUDGET,
                       draft_window=args.draft_window, **kv_kwargs(args))
         return 0
     server = create_server(args.model, args.draft, served_model_name=args.served_model_name,

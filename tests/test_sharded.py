@@ -10,6 +10,7 @@ are tested in this process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -274,10 +275,10 @@ def assert_everybody_hears(base: str, proc, logs, message: str, tail: str, took:
 @pytest.mark.slow
 def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
     """``dflash serve`` on two ranks: rank 0 serves, rank 1 follows its generations. A chat
-    completion, streamed or not, is ``dflash generate``'s answer on the same setup; a seeded
-    sampled one reproduces; one whose client leaves mid-stream stops on both ranks. Rank 1
-    killed mid-stream: the open stream ends with an error naming it within 30 s, a new request
-    gets a 503 naming it, and the server exits."""
+    completion, streamed or not, alone or three at once (batched), or run alone with its own
+    verify plan, is ``dflash generate``'s answer on the same setup; a seeded sampled one reproduces; one whose client leaves
+    mid-stream stops on both ranks. Rank 1 killed mid-stream: the open stream ends with an error
+    naming it within 30 s, a new request gets a 503 naming it, and the server exits."""
     import httpx
 
     openai = pytest.importorskip("openai")
@@ -290,6 +291,18 @@ def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
         streamed = "".join(c.choices[0].delta.content or "" for c in
                            client.chat.completions.create(**hello, stream=True) if c.choices)
         assert whole == hello_answer and streamed == hello_answer
+        # Three at once: the batched engine on both ranks, each answer the one it gets alone.
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(
+                lambda _: client.chat.completions.create(**hello).choices[0].message.content,
+                range(3)))
+        assert together == [hello_answer] * 3
+        # A request with its own verify plan runs alone (the single-sequence engine on every
+        # rank): the same answer; a plan from one rank's timings is refused.
+        alone = client.chat.completions.create(**hello, extra_body={"min_confidence": 0.5})
+        assert alone.choices[0].message.content == hello_answer
+        with pytest.raises(openai.BadRequestError, match="policy='auto': a sharded target"):
+            client.chat.completions.create(**hello, extra_body={"policy": "auto"})
         sampled = [client.chat.completions.create(**{**hello, "temperature": 0.9, "seed": 3})
                    .choices[0].message.content for _ in range(2)]
         assert sampled[0] == sampled[1]
@@ -409,17 +422,6 @@ def test_settings_unchanged_without_a_launch():
 
     settings = {"policy": None, "seed": None, "min_confidence": None}
     assert distributed.agreed_settings(Ranks(), settings) is settings
-
-
-def test_sharded_server_refuses_batching_naming_the_option():
-    from dflash.errors import ServerConfigError
-    from dflash.ranks import Ranks
-    from dflash.serving.sharded import check_sharded_concurrency
-
-    check_sharded_concurrency(None, Ranks(0, 2))
-    check_sharded_concurrency(1, Ranks(0, 2))
-    with pytest.raises(ServerConfigError, match="--max-concurrency 4: a target sharded over 2"):
-        check_sharded_concurrency(4, Ranks(0, 2))
 
 
 def test_engine_calls_cross_to_the_followers_unchanged():

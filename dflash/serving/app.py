@@ -64,7 +64,7 @@ from .responses_format import (
     response_body,
 )
 from .scopes import LOCAL_HOSTS, APIKeys, Scopes
-from .sharded import check_sharded_concurrency, follow
+from .sharded import follow
 from .tools import AnswerSplitter, ToolCallSplitter, tool_format
 from .worker import RANK_TIMEOUT, Job, Worker
 
@@ -498,8 +498,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
     (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
     Under ``mlx.launch`` with a sharded target this is rank 0's server (the other ranks run
-    :func:`follow_server`): one generation at a time; ``rank_timeout``: seconds without a finished
-    cycle before the other ranks count as gone.
+    :func:`follow_server`; batches verify with ``fixed``); ``rank_timeout``: seconds without a
+    finished cycle before the other ranks count as gone.
     """
     keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
@@ -513,10 +513,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                 f"kv_bits={kv_bits}: quantized KV caches decode one sequence at a time; "
                 f"max_concurrency={max_concurrency} must be 1")
         max_concurrency = 1
-    ranks = sharded_ranks()
-    if ranks is not None:  # rank 0 of a sharded target: one generation at a time
-        check_sharded_concurrency(max_concurrency, ranks)
-        max_concurrency = 1
+    ranks = sharded_ranks()  # rank 0 of a sharded target: the others follow its engine calls
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -560,8 +557,7 @@ def pair_loader(model: str | None, draft: str | None, draft_window: int | None =
     return load
 
 
-def follow_server(model: str | None = None, draft: str | None = None, *,
-                  max_concurrency: int | None = None, share: str = "key",
+def follow_server(model: str | None = None, draft: str | None = None, *, share: str = "key",
                   index_budget: int = DEFAULT_BUDGET, kv_bits: int | None = None,
                   kv_group_size: int = 64, quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None) -> None:
@@ -574,7 +570,6 @@ def follow_server(model: str | None = None, draft: str | None = None, *,
 
         check_window(draft_window, 1, "draft_window")
     KVQuantization.from_settings(kv_bits, kv_group_size, quantized_kv_start)
-    check_sharded_concurrency(max_concurrency, ranks)
     follow(ranks, pair_loader(model, draft, draft_window, quiet=True), scopes)
 
 

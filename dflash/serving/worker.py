@@ -13,8 +13,8 @@ serve every active request (on this CPU 4 sequences x 4 rows cost what 1 x 16 do
 that asks for its own block size, verify policy, ``min_confidence`` or tree budget cannot share
 the batch's: it waits for the batch to drain and runs alone through the single-sequence engine
 (trees included). ``max_concurrency`` 1 is the single-sequence engine for every request.
-Given the ranks of a sharded target, the worker runs one generation at a time and hands each
-engine call to the other ranks first (:mod:`.sharded`); a rank that is gone (a collective failed,
+Given the ranks of a sharded target, the worker hands each engine call to the other ranks
+before it makes it (:mod:`.sharded`; the batch verifies with ``fixed``); a rank that is gone (a collective failed,
 mlx.launch ended the launch, or no cycle finished for ``rank_timeout`` seconds) fails every open
 and later job with ``RankLost``.
 This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelled job
@@ -194,7 +194,7 @@ class Worker:
         ``rank_timeout`` seconds counts the other ranks as gone."""
         while not self._stopping.wait(1.0) and self.lost is None:
             waited = time.monotonic() - self._beat
-            if self.current is not None and waited > self.rank_timeout:
+            if (self.current is not None or self.running) and waited > self.rank_timeout:
                 self.lose(f"no answer from {distributed.other_ranks(self.ranks)} of the sharded "
                           f"target for {waited:.0f} s (a rank hangs or its link is down); this "
                           "server cannot generate until the launch is restarted")
@@ -300,15 +300,15 @@ class Worker:
         solo: Job | None = None  # a job waiting for the batch to drain, to run alone
 
         while True:
-            if self.max_concurrency > 1:
+            if self.max_concurrency > 1 and self.lost is None:
                 if batch is None:
-                    batch = BatchGenerator(self.pair.model, self.pair.draft, self.pair.tokenizer,
-                                           max_batch=self.max_concurrency,
-                                           block_size=self.block_size, memory=self.memory)
+                    batch = self._new_batch()
                 if solo is None:
                     solo = self._admit(batch)
                     if solo is False:  # shutting down
                         self._drop_running()
+                        if self.ranks is not None and self.lost is None:
+                            self._release_followers()
                         return
                 if self.running:
                     if not self._batch_step(batch):
@@ -339,6 +339,19 @@ class Worker:
             job.emit("cancelled")
         self.running.clear()
 
+    def _new_batch(self) -> BatchGenerator:
+        """The batched engine (sharded: built on every rank, verifying with ``fixed``, a policy
+        that plans alike everywhere)."""
+        policy = "auto"
+        if self.ranks is not None:
+            policy = "fixed"
+            distributed.call_to_followers(self.ranks, {
+                "op": "batch", "max_batch": self.max_concurrency, "block_size": self.block_size,
+                "policy": policy})
+        return BatchGenerator(self.pair.model, self.pair.draft, self.pair.tokenizer,
+                              max_batch=self.max_concurrency, block_size=self.block_size,
+                              memory=self.memory, policy=policy)
+
     def _batchable(self, job: Job, batch: BatchGenerator) -> bool:
         """Whether the job's engine settings are the batch's (else it runs alone)."""
         k = job.kwargs
@@ -362,14 +375,31 @@ class Worker:
                 self.metrics.cancelled_generation()
                 job.emit("cancelled")
                 continue
+            if self.lost is not None:
+                job.emit("error", RankLost(str(self.lost)))
+                continue
             if not self._batchable(job, batch):
                 return job
+            settings = {k: v for k, v in job.kwargs.items() if k not in ENGINE_SETTINGS}
             try:
-                uid = batch.insert(job.prompt_ids, **_scoped(job),
-                                   **{k: v for k, v in job.kwargs.items()
-                                      if k not in ENGINE_SETTINGS})
-            except Exception as e:  # a bad request: reported to its client only
+                if self.ranks is not None:
+                    self._beat_now()
+                    if settings.get("seed") is None:  # every rank draws from rank 0's seed
+                        settings["seed"] = distributed.random_seed()
+                    distributed.call_to_followers(self.ranks, {
+                        "op": "insert", "prompt_ids": list(job.prompt_ids),
+                        "kwargs": to_wire(settings), "scope": job.scope.name})
+                uid = batch.insert(job.prompt_ids, **_scoped(job), **settings)
+            except ValueError as e:  # a bad request: reported to its client only
                 job.emit("error", e)
+                continue
+            except Exception as e:
+                if self.ranks is not None:  # the call did not reach the other ranks
+                    reason = self._gone(e)
+                    self.lose(reason)
+                    job.emit("error", RankLost(reason))
+                else:
+                    job.emit("error", e)
                 continue
             job.started = time.perf_counter()
             self.running[uid] = job
@@ -377,12 +407,19 @@ class Worker:
 
     def _batch_step(self, batch: BatchGenerator) -> bool:
         """One engine step for every running job, events to their clients; False if it failed."""
-        for uid, job in self.running.items():
-            if job.cancel.is_set():
-                batch.cancel(uid)
+        cancels = [uid for uid, job in self.running.items() if job.cancel.is_set()]
+        for uid in cancels:
+            batch.cancel(uid)
         try:
+            if self.ranks is not None:
+                self._beat_now()
+                distributed.call_to_followers(self.ranks, {"op": "step", "cancel": cancels})
             events = batch.step()
         except Exception as e:  # the whole batch failed: every running job hears it
+            if self.ranks is not None:  # the ranks may be out of step: nobody is served
+                self.lose(self._gone(e))
+                self.running.clear()
+                return False
             traceback.print_exc()
             for job in self.running.values():
                 job.emit("error", e)
@@ -477,7 +514,7 @@ class Worker:
         scope = job.scope if job.scope is not None else self.scopes.get(None)
         try:
             distributed.call_to_followers(self.ranks, {
-                "prompt_ids": list(job.prompt_ids), "kwargs": to_wire(kwargs),
+                "op": "generate", "prompt_ids": list(job.prompt_ids), "kwargs": to_wire(kwargs),
                 "scope": scope.name})
             gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
                                   job.prompt_ids, memory=self.memory, index=scope.index,
@@ -488,12 +525,16 @@ class Worker:
         except ValueError as e:  # a setting the engine refused, on every rank alike
             job.emit("error", e)
         except Exception as e:  # a collective failed, or the ranks are out of step
-            if self.lost is None:
-                traceback.print_exc()
-            self.lose(f"{distributed.other_ranks(self.ranks)} of the sharded target is gone "
-                      f"({e}); this server cannot generate until the launch is restarted")
+            self.lose(self._gone(e))
         finally:
             self._finished(job)
+
+    def _gone(self, error: Exception) -> str:
+        """Why the sharded server stops generating, after ``error`` (printed once)."""
+        if self.lost is None:
+            traceback.print_exc()
+        return (f"{distributed.other_ranks(self.ranks)} of the sharded target is gone ({error}); "
+                "this server cannot generate until the launch is restarted")
 
 
 def _scoped(job: Job) -> dict:
