@@ -302,7 +302,13 @@ class Worker:
         while True:
             if self.max_concurrency > 1 and self.lost is None:
                 if batch is None:
-                    batch = self._new_batch()
+                    try:
+                        batch = self._new_batch()
+                    except Exception as e:
+                        if self.ranks is None:
+                            raise
+                        self.lose(self._gone(e))  # the call did not reach the other ranks
+                        continue
                 if solo is None:
                     solo = self._admit(batch)
                     if solo is False:  # shutting down
