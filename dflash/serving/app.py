@@ -610,9 +610,12 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
                 # client hears it (503) until the server stops, LOST_GRACE seconds later.
                 from .. import distributed
 
-                worker.lose(f"{distributed.other_ranks(worker.ranks)} of the sharded target "
-                            "stopped (mlx.launch is ending the launch); this server cannot "
-                            "generate until the launch is restarted")
+                # Not in the handler itself: it interrupts the event loop's thread, which may be
+                # writing to stderr (lose() logs; a re-entrant write raises).
+                threading.Thread(target=worker.lose, daemon=True, args=(
+                    f"{distributed.other_ranks(worker.ranks)} of the sharded target stopped "
+                    "(mlx.launch is ending the launch); this server cannot generate until the "
+                    "launch is restarted",)).start()
                 return
             # End open streams now (they get an in-band error and close), so that the graceful
             # shutdown does not have to wait for long generations.
