@@ -371,6 +371,12 @@ class PassCosts:
             say_once("unwritable", f"cannot save the learnt pass costs in {self.path.parent} "
                       f"({e}); keeping them in memory for this process")
 
+    def unlearnt(self) -> PassCosts:
+        """This pair's prices without what was learnt: the stored calibration, else the prior, in
+        an object of its own that nothing observes. Plans priced with it never depend on a
+        timing of this process (seeded sampling reproduces)."""
+        return PassCosts(self.key, self.machine, calibrated=self.calibrated)
+
     @classmethod
     def stored(cls, key: str) -> PassCosts:
         """This pair's costs as stored on this machine: its calibration, if any, and what earlier

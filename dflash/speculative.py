@@ -409,11 +409,15 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
     :func:`~dflash.policy.memory.memory_of`). ``cache is None``: its caches come later."""
     trees = tree_supported(parts, make_cache(parts) if cache is None else cache)
     # A seeded sampled generation reproduces only if its verify shapes do (they decide how the
-    # random stream is consumed): it starts from the raw confidence.
+    # random stream is consumed): it starts from the raw confidence and prices its plans with the
+    # stored calibration or the prior, which no timing moves (learnt prices differ from run to
+    # run); its passes still teach the pair's shared costs.
     seeded = not request.sampler.greedy and request.sampler.cfg.seed is not None
-    memory = None
+    memory, shared_cost = None, cost
     if cost is not None and not seeded:
         memory = request.memory if request.memory is not None else memory_of(parts.model, draft)
+    elif cost is not None:
+        cost = cost.unlearnt()
     return DecodeState(cache, dcache, history=list(request.prompt_ids),
                        fed=list(request.prompt_ids),
                        policy=make_policy(request.policy, request.block_size, cost,
@@ -423,7 +427,8 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                                           memory=memory, lookup=request.lookup),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1),
-                       costs=cost if cost is not None else cost_model(parts, draft, request.kv),
+                       costs=shared_cost if shared_cost is not None
+                       else cost_model(parts, draft, request.kv),
                        trees=trees)
 
 

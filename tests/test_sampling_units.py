@@ -274,10 +274,25 @@ def test_logit_bias_can_ban_tokens(tiny):
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
 def test_seeded_runs_reproduce(proposal, tiny):
     model, draft = tiny
-    runs = [generate(model, draft, None, PROMPT, max_tokens=40, block_size=8, seed=seed,
-                     proposal=proposal, **CARD).tokens for seed in (1, 1, 2, 3)]
+    from dflash.cost_model import fresh_cost_model
+    from dflash.target import target_parts
+
+    # Pass costs that start from the prior and learn (a machine with nothing stored yet).
+    costs = fresh_cost_model(target_parts(model), draft)
+
+    def run(seed):
+        return generate(model, draft, None, PROMPT, max_tokens=40, block_size=8, seed=seed,
+                        proposal=proposal, **CARD).tokens
+
+    runs = [run(seed) for seed in (1, 1, 2, 3)]
     assert runs[0] == runs[1]
     assert len({tuple(r) for r in runs}) >= 2  # different seeds, different samples
+    # What the pair's pass costs learnt in between (here: long verify passes became nearly free,
+    # which moves every learnt price) leaves a seeded run's plans, and so its samples, alone.
+    for rows in (1, 2, 4, 8, 16):
+        for _ in range(8):
+            costs.observe("verify", rows, len(PROMPT), 1e-6 * (17 - rows))
+    assert run(1) == runs[0]
 
 
 def test_seeded_custom_sampler_reproduces(tiny):
