@@ -1,4 +1,5 @@
-"""The ``dflash`` command: generate, chat, serve, bench, calibrate (and convert, datagen, train).
+"""The ``dflash`` command: generate, chat, serve, bench, calibrate (and convert, export, datagen,
+magpie, records, train).
 
 Every subcommand has ``--help``. Errors a user can fix (a missing folder, a drafter that does not fit
 the target, a setting out of range) print one line on stderr and exit 1; an unavailable subcommand

@@ -307,6 +307,16 @@ class DecodeRequest:
     index: ContinuationIndex | None = None  # earlier requests' text (dflash.lookup); told this one's
     kv: KVQuantization | None = None  # the target's quantized KV cache (None: float)
 
+    @property
+    def priced_kv(self) -> KVQuantization | None:
+        """The cache kind this request's passes cost as: a quantized cache that converts only
+        past the last token it will hold (prompt and ``max_tokens``) runs on float keys
+        throughout, and is priced so."""
+        if self.kv is None:
+            return None
+        switch = self.kv.switch_offset(len(self.prompt_ids), self.prefill_step_size)
+        return self.kv if switch < len(self.prompt_ids) + self.max_tokens else None
+
     def target_cache(self, parts: TargetParts) -> list:
         """Fresh target caches; quantized ones switch where mlx-lm's decoding switches."""
         if self.kv is None:
@@ -385,7 +395,7 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         cache, dcache, reused = request.target_cache(parts), draft.make_cache(), 0
     else:
         cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
-    cost = cost_model(parts, draft, request.kv) if policy_class(request.policy).needs_cost \
+    cost = cost_model(parts, draft, request.priced_kv) if policy_class(request.policy).needs_cost \
         else None
     state = new_state(parts, draft, request, cache, dcache, cost)
     try:
@@ -428,7 +438,7 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1),
                        costs=shared_cost if shared_cost is not None
-                       else cost_model(parts, draft, request.kv),
+                       else cost_model(parts, draft, request.priced_kv),
                        trees=trees)
 
 

@@ -431,3 +431,19 @@ def test_quantized_kv_has_its_own_pass_costs(kv_pair):
     table = costs.measure(parts, draft, rows=[1, 2], contexts=[24], draft_rows=[2], rounds=1,
                           quiet=True, kv=kv)
     assert table.key == costs.cost_key(parts, draft, kv) and table.verify(2, 24) > 0
+
+
+def test_a_cache_that_never_converts_is_priced_as_float(kv_pair):
+    """``quantized_kv_start`` past the prompt and ``max_tokens``: the cache stays float keys all
+    along, and its passes are priced (and teach) the float costs, not the quantized ones."""
+    from dflash import cost_model as costs
+
+    model, tokenizer, draft = kv_pair("llama")
+    parts, prompt = target_parts(model), prompt_of(tokenizer, 20)
+    float_costs = costs.cost_model(parts, draft)
+    for start, taught in ((10_000, float_costs),
+                          (0, costs.cost_model(parts, draft, KVQuantization(8, 32, 0)))):
+        before = taught.observed
+        generate(model, draft, tokenizer, prompt, max_tokens=8, kv_bits=8, kv_group_size=32,
+                 quantized_kv_start=start)
+        assert taught.observed > before, start
