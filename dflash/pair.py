@@ -37,12 +37,13 @@ class Pair:
 
     @property
     def max_context(self) -> int | None:
-        cfg = self.config.get("text_config", self.config)
-        value = cfg.get("max_position_embeddings") or self.config.get("max_position_embeddings")
-        if value is None:
-            args = getattr(self.model, "args", None)
-            value = getattr(args, "max_position_embeddings", None)
-        return int(value) if value else None
+        """Positions the target reads (``None``: not stated), as the engine counts them
+        (:func:`dflash.target.max_positions`: ``max_position_embeddings``, or the context its
+        RoPE scaling stretches to); from the arguments mlx-lm built the target from, else from
+        its ``config.json``."""
+        from .target import config_positions, max_positions
+
+        return max_positions(self.model) or config_positions(self.config)
 
 
 def _looks_like_repo_id(text: str) -> bool:

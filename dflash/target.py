@@ -135,27 +135,52 @@ def target_parts(model: nn.Module) -> TargetParts:
     )
 
 
+# RoPE scalings that let a model read past the positions it was pre-trained on (mlx-lm's
+# initialize_rope names; "su" is longrope's older name). Others (default, mrope, proportional)
+# change the frequencies only.
+CONTEXT_SCALINGS = frozenset({"linear", "dynamic", "yarn", "deepseek_yarn", "telechat3-yarn",
+                              "llama3", "longrope", "su"})
+
+
 def max_positions(model: nn.Module) -> int | None:
-    """Positions the target reads: its config's ``max_position_embeddings``, or the context a
-    RoPE scaling stretches ``original_max_position_embeddings`` to by its ``factor`` where that is
-    more (None: the config states neither)."""
-    arg_sets = [getattr(getattr(model, "language_model", None), "args", None),
-                getattr(model, "args", None)]
-    text = getattr(arg_sets[1], "text_config", None)
-    arg_sets.append(text if isinstance(text, dict) else None)
-    for args in arg_sets:
-        if args is None:
-            continue
-        get = args.get if isinstance(args, dict) else (lambda k, a=args: getattr(a, k, None))
-        limit = get("max_position_embeddings")
-        if not isinstance(limit, int) or limit <= 0:
-            continue
-        for scaling in (get("rope_scaling"), get("rope_parameters")):
-            if isinstance(scaling, dict) and scaling.get("factor") and \
-                    scaling.get("original_max_position_embeddings"):
-                limit = max(limit, int(scaling["factor"] * scaling["original_max_position_embeddings"]))
-        return limit
+    """Positions the target reads (None: its config does not say): :func:`config_positions` of
+    the arguments mlx-lm built it from (a wrapped model's language model first), so a RoPE
+    scaling counts only where the model's mlx-lm class reads it."""
+    for owner in (getattr(model, "language_model", None), model):
+        limit = config_positions(getattr(owner, "args", None))
+        if limit is not None:
+            return limit
     return None
+
+
+def config_positions(args) -> int | None:
+    """Positions a model config (a dict or mlx-lm's model arguments, or its ``text_config``)
+    says the model reads. ``max_position_embeddings`` alone, unless ``rope_scaling`` (or
+    transformers 5's ``rope_parameters``) stretches the context by its ``factor``: over
+    ``original_max_position_embeddings`` where the scaling states it (Qwen3's documented yarn:
+    ``factor`` 4 over 32,768 reads 131,072; Llama 3.1's 8 over 8,192 leaves its own 131,072),
+    else over ``max_position_embeddings``, which is then the pre-trained length (Hugging Face's
+    meaning for linear, dynamic and yarn scaling without it). The larger of the two counts."""
+    if args is None:
+        return None
+    get = args.get if isinstance(args, dict) else (lambda k, a=args: getattr(a, k, None))
+    limit = get("max_position_embeddings")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        text = get("text_config")
+        return config_positions(text) if text is not None and text is not args else None
+    for scaling in (get("rope_scaling"), get("rope_parameters")):
+        if not isinstance(scaling, dict):
+            continue
+        kind = scaling.get("type") or scaling.get("rope_type") or "default"
+        factor = scaling.get("factor")
+        if kind not in CONTEXT_SCALINGS or isinstance(factor, bool) \
+                or not isinstance(factor, (int, float)) or factor <= 1:
+            continue
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            original = limit
+        limit = max(limit, int(factor * original))
+    return limit
 
 
 def check_prompt_length(parts: TargetParts, n_prompt: int) -> None:
@@ -163,7 +188,7 @@ def check_prompt_length(parts: TargetParts, n_prompt: int) -> None:
     if parts.max_positions is not None and n_prompt > parts.max_positions:
         raise GenerationConfigError(
             f"prompt={n_prompt} tokens: longer than the {parts.max_positions} positions the target "
-            "reads (max_position_embeddings)")
+            "reads (max_position_embeddings, or as its rope_scaling stretches it)")
 
 
 def check_compatible(parts: TargetParts, draft) -> None:

@@ -10,13 +10,15 @@ the draft window, and the server answering both with a 400.
 
 from __future__ import annotations
 
+import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
 
 from dflash.errors import GenerationConfigError
 from dflash.model_mlx import generate, load, load_draft
-from dflash.target import max_positions, target_parts
+from dflash.target import config_positions, max_positions, target_parts
 
 TINY_POSITIONS = 4096  # tests/tiny_models.py's max_position_embeddings
 
@@ -50,12 +52,59 @@ def test_max_positions_follows_rope_scaling():
         return SimpleNamespace(args=SimpleNamespace(**args))
 
     assert max_positions(model(max_position_embeddings=8192)) == 8192
+    # Qwen3's documented yarn: factor 4 over the 32,768 pre-trained positions.
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert max_positions(model(max_position_embeddings=40960, rope_scaling=yarn)) == 131072
     assert max_positions(model(max_position_embeddings=40960, rope_parameters=yarn)) == 131072
+    # Llama 3.1: max_position_embeddings already the stretched context (8 x 8,192 is less).
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    assert max_positions(model(max_position_embeddings=131072, rope_scaling=llama3)) == 131072
+    # Without original_max_position_embeddings, max_position_embeddings is the pre-trained length.
+    for kind in ("linear", "dynamic", "yarn"):
+        scaling = {"type": kind, "factor": 4.0}
+        assert max_positions(model(max_position_embeddings=4096, rope_scaling=scaling)) == 16384
+    # Longrope (Phi-3): no factor, max_position_embeddings is the long context.
+    longrope = {"type": "longrope", "original_max_position_embeddings": 4096,
+                "short_factor": [1.0], "long_factor": [2.0]}
+    assert max_positions(model(max_position_embeddings=131072, rope_scaling=longrope)) == 131072
+    # Scalings that change frequencies only, and factors that shrink, leave the limit alone.
+    for scaling in ({"type": "mrope", "mrope_section": [2, 1, 1]},
+                    {"rope_type": "default", "rope_theta": 1e6},
+                    {"type": "proportional", "factor": 8.0},
+                    {"type": "linear", "factor": 0.5}, {"type": "yarn", "factor": True}):
+        assert max_positions(model(max_position_embeddings=4096, rope_scaling=scaling)) == 4096
     assert max_positions(model()) is None
     wrapped = SimpleNamespace(args=SimpleNamespace(text_config={"max_position_embeddings": 512}))
     assert max_positions(wrapped) == 512
+    text = {"max_position_embeddings": 512, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert config_positions({"model_type": "x", "text_config": text}) == 1024
+
+
+@pytest.mark.parametrize("arch, key", [("llama", "rope_scaling"), ("qwen3", "rope_parameters")])
+def test_prompt_limit_with_rope_scaling(tiny_pair, tmp_path, arch, key):
+    """A fixture target configured as Qwen3 documents its yarn (max_position_embeddings 40 and
+    a factor 4 over 32 pre-trained positions, as 40,960 and 4 over 32,768) reads 128: the pair
+    (the CLI's and the server's limit) and the engine agree, a prompt past
+    max_position_embeddings but within 128 is decoded, one past 128 refused."""
+    from dflash.pair import load_pair
+
+    source, draft = tiny_pair(arch)
+    target = tmp_path / "target"
+    shutil.copytree(source, target)
+    cfg = json.loads((target / "config.json").read_text())
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    if key == "rope_parameters":  # transformers 5: rope_theta nested with the scaling
+        scaling["rope_theta"] = cfg.pop("rope_theta")
+    cfg.update({"max_position_embeddings": 40, key: scaling})
+    (target / "config.json").write_text(json.dumps(cfg))
+    pair = load_pair(str(target), str(draft))
+    assert pair.max_context == target_parts(pair.model).max_positions == 128
+    assert config_positions(cfg) == 128
+    out = generate(pair.model, pair.draft, pair.tokenizer, [5] * 100, max_tokens=2)
+    assert out.stats.prompt_tokens == 100 and out.tokens
+    with pytest.raises(GenerationConfigError, match=r"^prompt=129 tokens: .*128 positions"):
+        generate(pair.model, pair.draft, pair.tokenizer, [5] * 129, max_tokens=2)
 
 
 def test_block_longer_than_the_draft_window(tiny_pair):
