@@ -146,8 +146,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send and /v1/models lists "
                         "(default: the target folder's name)")
     g.add_argument("--max-context", type=int, default=None,
-                   help="longest prompt + answer in tokens (default: the target's "
-                        "max_position_embeddings)")
+                   help="longest prompt + answer in tokens (default: the positions the "
+                        "target reads: max_position_embeddings, or as its RoPE scaling "
+                        "stretches it)")
     g.add_argument("--default-max-tokens", type=int, default=512,
                    help="answer length when a request gives no max_tokens (default 512)")
     g.add_argument("--block-size", type=int, default=None,
@@ -464,6 +465,18 @@ def chat_stats(totals: dict, last: dict | None) -> str:
 # serve, bench
 
 
+# create_server's settings that are serve options of the same name
+SERVE_SETTINGS = ("block_size", "draft_window", "kv_bits", "kv_group_size", "quantized_kv_start",
+                  "max_concurrency")
+
+
+def as_option(message: str, names: tuple[str, ...]) -> str:
+    """A message that starts with one of the settings ``names`` (``kv_group_size=128: ...``)
+    naming its option instead (``--kv-group-size=128: ...``)."""
+    head = message.partition("=")[0]
+    return f"--{message.replace('_', '-', head.count('_'))}" if head in names else message
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load, then serve until Ctrl-C (sharded under mlx.launch: rank 0 serves, the others
     follow its generations)."""
@@ -499,14 +512,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       index_budget=args.index_budget or DEFAULT_BUDGET,
                       draft_window=args.draft_window, **kv_kwargs(args))
         return 0
-    server = create_server(args.model, args.draft, served_model_name=args.served_model_name,
-                           max_context=args.max_context,
-                           default_max_tokens=args.default_max_tokens,
-                           block_size=args.block_size, max_queue=args.max_queue,
-                           max_concurrency=args.max_concurrency, reasoning=args.reasoning,
-                           pair_memory=args.pair_memory, api_keys=keys, share=args.share, **kv_kwargs(args),
-                           index_budget=args.index_budget or DEFAULT_BUDGET,
-                           draft_window=args.draft_window, rank_timeout=args.rank_timeout)
+    try:  # settings every request would be refused with: refused here, before the port is bound
+        server = create_server(args.model, args.draft, served_model_name=args.served_model_name,
+                               max_context=args.max_context,
+                               default_max_tokens=args.default_max_tokens,
+                               block_size=args.block_size, max_queue=args.max_queue,
+                               max_concurrency=args.max_concurrency, reasoning=args.reasoning,
+                               pair_memory=args.pair_memory, api_keys=keys, share=args.share,
+                               **kv_kwargs(args), index_budget=args.index_budget or DEFAULT_BUDGET,
+                               draft_window=args.draft_window, rank_timeout=args.rank_timeout)
+    except DFlashError as e:
+        raise CLIError(as_option(one_line(e), SERVE_SETTINGS), code=1) from None
     try:
         run(server, host=args.host, port=args.port, log_level=args.log_level)
     except RankLost as e:

@@ -44,7 +44,7 @@ from ..errors import (
 from ..lookup import DEFAULT_BUDGET
 from ..pair import Pair, load_pair
 from ..ranks import Ranks
-from ..speculative import DFlashResponse
+from ..speculative import DFlashResponse, build_request
 from ..stats import generation_stats
 from ..target import QUANTIZED_KV_START, KVQuantization, target_parts
 from .anthropic_format import (
@@ -523,7 +523,10 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                                      "pip install 'dflash[serve]'") from None
     from .metrics import Metrics
 
-    worker = Worker(pair_loader(model, draft, draft_window, quiet), Metrics(),
+    # What every request runs with unless it says otherwise: checked once the pair is loaded.
+    served = {"block_size": block_size, **({} if kv is None else {
+        "kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": kv.start})}
+    worker = Worker(pair_loader(model, draft, draft_window, quiet, served), Metrics(),
                     max_queue=max_queue, max_concurrency=max_concurrency,
                     max_context=max_context, block_size=block_size,
                     pair_memory=pair_memory, scopes=scopes, ranks=ranks,
@@ -546,15 +549,30 @@ def sharded_ranks() -> Ranks | None:
 
 
 def pair_loader(model: str | None, draft: str | None, draft_window: int | None = None,
-                quiet: bool = False) -> Callable[[], Pair]:
-    """What loads the served pair (every rank of a sharded target loads it the same way)."""
+                quiet: bool = False, served: dict | None = None) -> Callable[[], Pair]:
+    """What loads the served pair (every rank of a sharded target loads it the same way);
+    ``served``: the settings every request runs with, refused once loaded if the engine would
+    refuse them (:func:`check_served`)."""
     def load():
         pair = load_pair(model, draft, log=None if quiet else log)
         if draft_window is not None:  # tokens of context the drafter attends to
             pair.draft.set_window(draft_window, "draft_window")
+        if served is not None:
+            check_served(pair, served)
         return pair
 
     return load
+
+
+def check_served(pair: Pair, served: dict) -> None:
+    """Settings every request would be refused with, refused at start instead: a one-token
+    request with the server's own settings (``block_size``, ``kv_bits``, ``kv_group_size``,
+    ``quantized_kv_start``) checked as the engine checks each request
+    (:func:`~dflash.speculative.build_request`: a block longer than the draft window, a target
+    whose caches mlx-lm cannot quantize, a group size that does not divide its head dimension),
+    a ``GenerationConfigError`` naming the setting."""
+    build_request(target_parts(pair.model), pair.draft, pair.tokenizer, [0], max_tokens=1,
+                  **served)
 
 
 def follow_server(model: str | None = None, draft: str | None = None, *, share: str = "key",
