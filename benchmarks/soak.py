@@ -19,8 +19,15 @@ time (``--settle``, a quarter of the run: the prompt cache and MLX's buffer pool
 size) the last quartile of the samples must not rise above the first quartile's high-water mark
 by more than ``--max-growth`` (see ``memory_growth``).
 
+The server's continuation indexes (earlier prompts and answers, one per scope) are read from
+``/metrics`` (``dflash_index_tokens``, ``dflash_index_bytes``, ``dflash_index_scopes``) every few
+seconds. The soak's own server gets a small ``--index-budget`` so that the run fills it many times
+over; the tokens must never exceed the budget (times the scopes), the index must reach it (or the
+run tested nothing) and its bytes must not grow once it is full (see ``index_check``).
+
 Exit status 1 on any 5xx, unexpected error, server crash (exit, traceback in its log), inexact
-response or memory growth above ``--max-growth``; the summary table goes to stdout.
+response, memory growth above ``--max-growth`` or an index past its budget; the summary table
+goes to stdout.
 
     python benchmarks/soak.py                      # 16 clients, 300 s, the built-in pair
     python benchmarks/soak.py --quick              # 4 clients, 30 s
@@ -92,6 +99,13 @@ class Summary:
     rss_peak_mib: float | None = None  # the high-water mark up to the first quartile's end
     rss_mean_growth: float | None = None  # last quartile's mean over the first's
     rss_mib: list = field(default_factory=list)  # (seconds since the start, MiB) per sample
+    index_budget: int | None = None  # tokens per scope's index (None: not known, --url)
+    index_full_bytes: float | None = None  # the indexes' bytes when they first held the budget
+    index_last_tokens: float | None = None
+    index_last_bytes: float | None = None
+    index_max_tokens: float | None = None
+    index_max_bytes: float | None = None
+    index_samples: list = field(default_factory=list)  # (seconds, tokens, bytes, scopes)
     server_statuses: dict = field(default_factory=dict)
     server_cancelled: float | None = None
     failures: list = field(default_factory=list)
@@ -117,6 +131,8 @@ def started_server(args, log_path: Path):
         cmd += ["--model", args.model]
     if args.draft:
         cmd += ["--draft", args.draft]
+    if args.index_budget:
+        cmd += ["--index-budget", str(args.index_budget)]
     cmd += shlex.split(args.serve_args)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     with log_path.open("w") as f:
@@ -179,6 +195,71 @@ class MemorySampler(threading.Thread):
             self.stop.wait(self.every)
 
 
+class IndexSampler(threading.Thread):
+    """Reads the server's index gauges from ``/metrics`` every ``every`` seconds until ``stop``
+    is set: ``(time, tokens, bytes, scopes)`` per sample."""
+
+    def __init__(self, url: str, every: float):
+        super().__init__(daemon=True)
+        self.url, self.every = url, every
+        self.samples: list[tuple[float, float, float, float]] = []
+        self.stop = threading.Event()
+
+    def sample(self) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            gauges = index_gauges(httpx.get(self.url + "/metrics", timeout=30).text)
+            if gauges is not None:
+                self.samples.append((time.monotonic(), *gauges))
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.sample()
+
+
+def index_gauges(metrics: str) -> tuple[float, float, float] | None:
+    """``(tokens, bytes, scopes)`` of the continuation indexes in a ``/metrics`` text (None: a
+    server that does not export them)."""
+    found = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("dflash_index_tokens", "dflash_index_bytes", "dflash_index_scopes"):
+            found[name] = float(value)
+    if len(found) < 3:
+        return None
+    return found["dflash_index_tokens"], found["dflash_index_bytes"], found["dflash_index_scopes"]
+
+
+def index_check(samples: list[tuple[float, float, float, float]],
+                budget: int | None) -> tuple[dict, list[str]]:
+    """What the index samples show, and the failures: tokens over ``budget`` per scope, an index
+    that never filled (the run did not reach its bound), bytes that grew after it was full (with
+    as many scopes as then), or no samples at all. ``budget`` None: the tokens are not checked."""
+    if not samples:
+        return {}, ["no continuation index figures in /metrics"]
+    failures = []
+    facts = {"last_tokens": samples[-1][1], "last_bytes": samples[-1][2],
+             "max_tokens": max(s[1] for s in samples), "max_bytes": max(s[2] for s in samples)}
+    if budget is not None:
+        over = [(tokens, scopes) for _, tokens, _, scopes in samples if tokens > budget * scopes]
+        if over:
+            failures.append(f"the continuation indexes held {over[0][0]:.0f} tokens in "
+                            f"{over[0][1]:.0f} scope(s), over the budget of {budget} per scope")
+    full = [s for s in samples if budget is not None and s[3] > 0 and s[1] >= budget * s[3]]
+    if budget is not None and not full:
+        failures.append(f"the continuation index never reached its budget ({budget} tokens; "
+                        f"at most {facts['max_tokens']:.0f}): the run did not test its bound")
+    # Once full, an index takes what it holds: its bytes must not grow (new scopes add theirs).
+    start = full[0] if full else samples[0]
+    facts["full_bytes"] = start[2]
+    per_scope = start[2] / max(start[3], 1)
+    later = [s for s in samples if s[0] >= start[0]]
+    grew = [s for s in later if s[2] > per_scope * max(s[3], 1)]
+    if grew:
+        failures.append(f"the continuation indexes grew from {per_scope:.0f} bytes per scope "
+                        f"to {grew[0][2] / max(grew[0][3], 1):.0f} after filling")
+    return facts, failures
+
+
 def memory_growth(samples: list[tuple[float, int]], settled: float) -> dict | None:
     """Quartiles of the RSS samples taken after ``settled`` (a time): the means of the first and
     the last, and ``growth``, the last quartile's mean over the first's high-water mark (settling
@@ -228,8 +309,7 @@ def malformed_cases(model: str) -> list[tuple[str, str, object, int]]:
         ("top_p 0, streamed", "/v1/chat/completions", {**chat, "top_p": 0, "stream": True}, 400),
         ("unknown model", "/v1/chat/completions", {**chat, "model": "no-such-model"}, 404),
         ("empty messages", "/v1/chat/completions", {**chat, "messages": []}, 400),
-        ("max_tokens over the context", "/v1/chat/completions", {**chat, "max_tokens": 10**7},
-         400),
+        ("max_tokens zero", "/v1/chat/completions", {**chat, "max_tokens": 0}, 400),
         ("token id outside the vocabulary", "/v1/completions",
          {"model": model, "prompt": [10**9], "max_tokens": 4}, 400),
         ("tools schema not an object", "/v1/chat/completions", {**chat, "tools": [array_schema]},
@@ -506,6 +586,9 @@ def run_load(url: str, pid: int | None, args, proc=None) -> tuple[Summary, list[
     sampler = MemorySampler(pid, args.sample_every) if pid else None
     if sampler:
         sampler.start()
+    indexes = IndexSampler(url, args.index_every)
+    indexes.sample()  # after the warm-up: one scope, its index made
+    indexes.start()
     log(f"soak: {args.clients} clients for {args.duration:.0f} s on {url}")
     start = time.monotonic()
     end = start + args.duration
@@ -522,6 +605,8 @@ def run_load(url: str, pid: int | None, args, proc=None) -> tuple[Summary, list[
     if sampler:
         sampler.stop.set()
         sampler.join()
+    indexes.stop.set()
+    indexes.join()
     log(f"soak: {len(outcomes)} requests done")
     if any(t.is_alive() for t in threads):
         summary.failures.append("clients still waiting long after the end")
@@ -531,6 +616,7 @@ def run_load(url: str, pid: int | None, args, proc=None) -> tuple[Summary, list[
         summary.failures.append(f"the server exited with {proc.returncode}")
     else:
         summary.server_statuses, summary.server_cancelled = server_metrics(url)
+        indexes.sample()  # every request done
     server_5xx = {s: n for s, n in summary.server_statuses.items() if s.startswith("5")}
     if server_5xx:
         summary.failures.append(f"the server counted 5xx answers: {server_5xx}")
@@ -545,6 +631,17 @@ def run_load(url: str, pid: int | None, args, proc=None) -> tuple[Summary, list[
         summary.failures.append("no request completed")
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
     summary.ttft_p50, summary.ttft_p95 = percentile(ttfts, 0.5), percentile(ttfts, 0.95)
+
+    summary.index_budget = args.index_budget
+    facts, failures = index_check(indexes.samples, summary.index_budget)
+    summary.failures += failures
+    summary.index_samples = [(round(t - start, 1), tokens, nbytes, scopes)
+                             for t, tokens, nbytes, scopes in indexes.samples]
+    summary.index_full_bytes = facts.get("full_bytes")
+    summary.index_last_tokens, summary.index_last_bytes = (facts.get("last_tokens"),
+                                                           facts.get("last_bytes"))
+    summary.index_max_tokens, summary.index_max_bytes = (facts.get("max_tokens"),
+                                                         facts.get("max_bytes"))
 
     if sampler is not None:
         # The first --settle seconds (caches and MLX's buffer pool reaching their working size)
@@ -601,6 +698,14 @@ def print_summary(s: Summary, args) -> None:
               f"(limit {args.max_growth:.0%}; {s.rss_samples} samples)")
     else:
         print("server RSS: not measured (give --pid with --url)")
+    if s.index_last_tokens is not None:
+        budget = f"budget {s.index_budget} tokens per scope" if s.index_budget else \
+            "budget not known (give --index-budget with --url)"
+        print(f"continuation index: {s.index_last_tokens:.0f} tokens, "
+              f"{s.index_last_bytes / 2**20:.2f} MiB at the end (at most "
+              f"{s.index_max_tokens:.0f} tokens, {s.index_max_bytes / 2**20:.2f} MiB; "
+              f"{s.index_full_bytes / 2**20:.2f} MiB when first full; {budget}; "
+              f"{len(s.index_samples)} samples)")
     print(f"server /metrics: requests by status {s.server_statuses}, "
           f"cancelled generations {s.server_cancelled}")
     print("result: " + ("PASS" if not s.failures else "FAIL"))
@@ -638,6 +743,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of the run left out of the memory comparison at its start, "
                         "while caches warm up (default 0.25)")
     p.add_argument("--sample-every", type=float, default=0.5, help="RSS sample period (s)")
+    p.add_argument("--index-budget", type=int, default=None, metavar="TOKENS",
+                   help="tokens each continuation index of the soak's server holds, small so "
+                        "that the run fills it (default 4096; --quick 512); with --url, the "
+                        "running server's, to check it (default: not checked)")
+    p.add_argument("--index-every", type=float, default=2.0,
+                   help="seconds between reads of the index gauges in /metrics (default 2)")
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
@@ -648,6 +759,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the summary here")
     args = p.parse_args(argv)
     args.clients = args.clients or (4 if args.quick else 16)
+    if args.index_budget is None and not args.url:
+        args.index_budget = 512 if args.quick else 4096
+    if args.index_budget is not None and args.index_budget < 1:
+        p.error(f"--index-budget {args.index_budget}: a positive number of tokens")
     args.duration = args.duration or (30.0 if args.quick else 300.0)
     args.max_tokens = [int(n) for n in (args.max_tokens or
                                         ("8,16,24" if args.quick else "16,32,64,96")).split(",")]

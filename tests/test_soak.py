@@ -1,6 +1,6 @@
 """``benchmarks/soak.py``: its checks catch what they must (fast), and a quick soak of the real server
 with the tiny pair passes (slow): no 5xx, clean 4xx for malformed requests, every completed greedy
-response equal to the library's, memory flat.
+response equal to the library's, memory flat, the continuation index within its budget.
 """
 
 from __future__ import annotations
@@ -57,6 +57,27 @@ def test_memory_growth_tells_a_leak_from_an_early_peak():
     assert soak.memory_growth(leak[:3], settled=0) is None
 
 
+def test_index_check_fails_an_index_past_its_budget_or_growing():
+    soak = _soak_module()
+    budget, nbytes = 100, 5000.0
+    # (time, tokens, bytes, scopes): fills, stays full; a second scope brings its own index.
+    bounded = [(0, 40, nbytes, 1), (1, 100, nbytes, 1), (2, 100, nbytes, 1),
+               (3, 150, 2 * nbytes, 2)]
+    facts, failures = soak.index_check(bounded, budget)
+    assert failures == [] and facts["full_bytes"] == nbytes and facts["max_tokens"] == 150
+    assert soak.index_check(bounded, None)[1] == []
+    over = bounded + [(4, 250, 2 * nbytes, 2)]
+    assert "over the budget of 100" in soak.index_check(over, budget)[1][0]
+    growing = bounded + [(4, 200, 2 * nbytes + 8, 2)]
+    assert "grew from 5000 bytes per scope" in soak.index_check(growing, budget)[1][0]
+    assert "grew" in soak.index_check(growing, None)[1][0]
+    assert "never reached its budget" in soak.index_check(bounded[:1], budget)[1][0]
+    assert soak.index_check([], budget)[1] == ["no continuation index figures in /metrics"]
+    metrics = "dflash_index_tokens 12.0\ndflash_index_bytes 4096.0\ndflash_index_scopes 1.0\n"
+    assert soak.index_gauges(metrics) == (12.0, 4096.0, 1.0)
+    assert soak.index_gauges("dflash_index_tokens 12.0\n") is None
+
+
 @pytest.mark.slow
 def test_quick_soak_of_the_real_server_passes(tiny_pair, tmp_path):
     target, draft = tiny_pair(KIND)
@@ -80,4 +101,10 @@ def test_quick_soak_of_the_real_server_passes(tiny_pair, tmp_path):
     assert sum(c.get("cancelled", 0) for c in counts.values()) >= 1  # clients that left
     assert not any(s.startswith("5") for s in summary["server_statuses"])
     assert summary["rss_samples"] >= 4 and summary["rss_growth"] <= 0.25
+    # The continuation index (512 tokens with --quick) filled many times over, and stayed within
+    # its budget and its bytes.
+    budget = summary["index_budget"]
+    assert budget == 512 and summary["index_max_tokens"] == budget
+    assert len(summary["index_samples"]) >= 3
+    assert summary["index_last_bytes"] == summary["index_full_bytes"] > 0
     assert summary["failures"] == []

@@ -110,7 +110,8 @@ class Server:
                            batch_size=lambda: worker.batch_size,
                            max_concurrency=worker.max_concurrency)
         self.metrics.watch_index(lambda: worker.scopes.index_tokens,
-                                 lambda: len(worker.scopes.scopes()))
+                                 lambda: len(worker.scopes.scopes()),
+                                 lambda: worker.scopes.index_bytes)
         self.responses = ResponseStore()  # kept for previous_response_id
         self.app = build_app(self)
 

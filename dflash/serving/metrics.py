@@ -77,10 +77,14 @@ class Metrics:
         Gauge("dflash_max_concurrency", "Sequences the server admits to decode together.",
               registry=self.registry).set(max_concurrency)
 
-    def watch_index(self, tokens: Callable[[], int], scopes: Callable[[], int]) -> None:
+    def watch_index(self, tokens: Callable[[], int], scopes: Callable[[], int],
+                    nbytes: Callable[[], int] | None = None) -> None:
         """Export the continuation indexes' size (all scopes together), read at each scrape."""
         Gauge("dflash_index_tokens", "Tokens held by the continuation indexes of all scopes.",
               registry=self.registry).set_function(tokens)
+        if nbytes is not None:
+            Gauge("dflash_index_bytes", "Bytes of the continuation indexes of all scopes.",
+                  registry=self.registry).set_function(nbytes)
         Gauge("dflash_index_scopes", "Scopes (API keys, or one shared) with an index.",
               registry=self.registry).set_function(scopes)
 
