@@ -90,7 +90,7 @@ from .policy import (
 )
 from .policy.memory import PairMemory
 from .prompt_cache import PromptCache
-from .ragged_cache import RaggedArraysCache, RaggedKVCache
+from .ragged_cache import RaggedArraysCache, RaggedKVCache, append_rows
 from .sampling import _is_int, check_decode_settings
 from .speculative import (
     DecodeRequest,
@@ -501,10 +501,7 @@ class BatchGenerator:
         padded = mx.concatenate([
             mx.zeros((1, most, like.shape[-1]), like.dtype) if p is None else
             mx.pad(p, [(0, 0), (0, most - p.shape[1]), (0, 0)]) for p in pending])
-        before = self.dcache[0].lengths
-        self.draft.append_context(padded, self.dcache)
-        for c in self.dcache:
-            c.set_lengths([n + k for n, k in zip(before, counts)])
+        append_rows(self.draft.append_context, padded, counts, self.dcache)  # bounded pieces
 
     def _cycle(self, events: list[BatchEvent]) -> None:
         """One decode cycle for every row: plan the pass, propose, verify, judge, emit."""

@@ -30,6 +30,8 @@ engine (draft trees, pipelined plain steps) on an ordinary cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
@@ -312,6 +314,29 @@ class RaggedWindowCache(RaggedKVCache):
         self.values = self.values[index, :, :capacity]
         self.set_lengths([self.lengths[i] for i in rows])
         self._set_base(base)
+
+
+def append_rows(append: Callable[[mx.array, list], None], rows: mx.array, counts: list[int],
+                caches: list) -> None:
+    """Give a batch's drafter caches each row's ``counts[b]`` new context rows: ``rows`` holds
+    them padded to the longest (``(B, max(counts), ...)``), ``append(rows, caches)`` writes them
+    (the drafter's ``append_context``), and each row's length then advances by its own count.
+
+    A :class:`RaggedWindowCache` holds ``size + slack`` slots per row, plus what one write
+    brings beyond them: rows that took a long plain stretch (their features not fed meanwhile)
+    would catch up in one write that wide. So the rows go in pieces of at most the smallest
+    windowed layer's ``slack``, each row's length advanced after each piece, and every buffer
+    stays within its ``size + slack`` slots per row. A row whose count ends inside a piece gets
+    padding written past its length, which the next write overwrites."""
+    width = rows.shape[1]
+    piece = max(1, min((c.slack for c in caches if isinstance(c, RaggedWindowCache)),
+                       default=width))
+    before = caches[0].lengths
+    for start in range(0, width, piece):
+        append(rows[:, start:start + piece], caches)
+        done = [n + min(k, start + piece) for n, k in zip(before, counts)]
+        for cache in caches:
+            cache.set_lengths(done)
 
 
 class RaggedArraysCache:

@@ -144,3 +144,50 @@ def test_batched_drafter_memory_is_bounded_by_the_window(pair):
     assert grown[None, False] >= 170  # the unbounded cache holds every position
     # The window's 7 positions, slack of 7, and one cycle's committed tokens
     assert grown[8, True] <= 7 + 7 + 8
+
+
+def test_catching_up_after_a_plain_stretch_stays_within_the_window(pair):
+    """Rows that take many plain steps together (the drafter's context is not fed meanwhile)
+    and then draft again catch their features up in one go: the windowed drafter cache takes
+    them in pieces, so every layer's buffer stays within the window's and the slack's slots per
+    row through the catch-up (``nbytes`` after every write), and the output is the target's."""
+    model, tokenizer, draft_path = pair
+    window, stretch = 8, 40
+    draft = load_draft(str(draft_path), sliding_window_size=window)
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=3, policy="fixed")
+    wants = engine.speculation.want_draft
+    cycles = []
+
+    def plain_first(*args, **kwargs):  # a plain stretch, then drafting again
+        cycles.append(None)
+        return len(cycles) > stretch and wants(*args, **kwargs)
+
+    engine.speculation.want_draft = plain_first
+    widest, most_bytes, appended, row_bytes = 0, 0, [], 0
+    for cache in engine.dcache:
+        write = cache.update_and_fetch
+
+        def spy(keys, values, _write=write, _cache=cache):
+            nonlocal widest, most_bytes, row_bytes
+            out = _write(keys, values)
+            appended.append(keys.shape[2])
+            widest = max(widest, _cache.keys.shape[2])
+            most_bytes = max(most_bytes, _cache.nbytes / _cache.batch)
+            # one slot of one row, keys and values
+            row_bytes = 2 * keys.shape[1] * keys.shape[3] * keys.dtype.size
+            return out
+
+        cache.update_and_fetch = spy
+    prompts = [prompt(n, s) for s, n in enumerate((60, 75, 90))]
+    uids = [engine.insert(p, max_tokens=stretch + 24) for p in prompts]
+    tokens = {u: [] for u in uids}
+    while engine.active or engine.pending:
+        for e in engine.step():
+            tokens[e.uid].extend(e.tokens)
+    for u, p in zip(uids, prompts):
+        assert tokens[u] == [int(t) for t, _ in
+                             generate_step(mx.array(p), model, max_tokens=stretch + 24)]
+    size, slack = engine.dcache[0].size, engine.dcache[0].slack
+    assert max(appended) <= slack < stretch  # the catch-up came in pieces
+    assert widest <= size + slack
+    assert most_bytes <= (size + slack) * row_bytes

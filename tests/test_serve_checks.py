@@ -87,6 +87,7 @@ def test_create_server_starts_with_settings_that_fit(pairs):
         server.worker.stop()
 
 
+@pytest.mark.slow  # a dflash subprocess each
 @pytest.mark.parametrize("kind, options, line", [
     ("plain", REFUSED[0][3], "--kv-group-size=64: does not divide target layer 0's head "
                              "dimension 32"),
