@@ -153,7 +153,7 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def config_positions(args) -> int | None:
+def config_positions(args: object) -> int | None:
     """Positions a model config (a dict or mlx-lm's model arguments, or its ``text_config``)
     says the model reads. ``max_position_embeddings`` alone, unless ``rope_scaling`` (or
     transformers 5's ``rope_parameters``) stretches the context by its ``factor``: over
