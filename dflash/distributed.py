@@ -21,11 +21,35 @@ computes identical proposals everywhere with no communication at all; the ranks 
 parallel, so it costs no more wall time than on one rank. Computing it on rank 0 and broadcasting
 the proposals would add one collective per cycle (a latency the link charges whatever the size)
 while the other ranks idle. What this needs: the same MLX, mlx-lm and dflash on every rank and the
-same checkpoints (compared at start, :func:`check_same_files`), and plans that do not depend on
-one rank's clock: the ``auto`` and ``tree`` policies price passes with this machine's measured
-timings, which differ between ranks, so a sharded run verifies with ``fixed`` (the default here)
-or ``confidence`` (:func:`agreed_settings`). Sampling draws from a seeded generator; an unseeded
-sampled run takes rank 0's seed on every rank, so every rank draws the same numbers.
+same checkpoints (compared at start, :func:`check_same_files`). Sampling draws from a seeded
+generator; an unseeded sampled run takes rank 0's seed on every rank (:func:`agreed_settings`), so
+every rank draws the same numbers.
+
+Why rank 0 plans each cycle and the others take its plan: every rank must verify the same rows
+each cycle (a pass is a sequence of collectives of that shape), and the ``auto`` and ``tree``
+policies price plans with this machine's learnt pass timings, which differ between ranks. Two ways
+to agree, with what each costs in communication:
+
+* rank 0 runs the policy exactly as one process does (its timings, calibration, pair memory) and
+  hands each decision to the others (:mod:`dflash.policy.agreed`): one all-sum of a fixed-size
+  int32 array per decision, the others adding zeros; a cycle that drafts takes two (the rows to
+  draft before, the plan after), one that does not (a plain stretch, a continuation of the
+  context) one, and a plain step one more only where the context offers a continuation to weigh.
+  Against the ``2 L`` all-sums of every verify pass (one after each attention or GatedDeltaNet
+  block, one after each MLP) that is two link latencies more per cycle; the message is smaller
+  than one verify row's activations (docs/distributed.md puts numbers on both).
+* every rank prices with the same numbers (rank 0's timings sent to all): no collective per
+  cycle, but the prices would have to stay frozen between agreed refreshes (the policy learns
+  from each pass on one process), every other input of the plan (calibration, the pair memory
+  read from each machine's disk, the stored calibration file) would have to be sent too, and one
+  rank-local input overlooked later would not fail but hang the ranks in mismatched collectives.
+
+The first is chosen: its cost is small and counted, and it cannot diverge by construction — the
+other ranks never price anything, and a plan carries every token and tree parent it verifies, so
+their drafter outputs are only needed to be identical (they are: same inputs, same shapes, the
+same number of candidates read). The batched engine (``dflash serve`` with several requests)
+still verifies with ``fixed`` when sharded: its own policy (row widths per step) prices with
+timings too and is not handed over.
 """
 
 from __future__ import annotations
@@ -40,13 +64,11 @@ from pathlib import Path
 import numpy as np
 
 from .console import say_once
-from .errors import GenerationConfigError, ModelLoadError, UnsupportedTargetError
+from .errors import ModelLoadError, UnsupportedTargetError
 from .ranks import Ranks, init_ranks
 
 # mlx-lm model modules whose tensor-parallel shard() dflash's layer walk runs unchanged.
 TENSOR_PARALLEL = ("llama", "qwen3", "qwen3_5")
-# Policies whose plans depend only on the tokens and the drafter's outputs (the same on every rank).
-RANK_SAFE_POLICIES = ("fixed", "confidence")
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # Fingerprint reads of each checkpoint file: its head and tail and evenly spaced chunks between.
 _CHUNK = 1 << 20
@@ -152,16 +174,30 @@ def load_target(path: str | Path, ranks: Ranks) -> tuple:
     return model, tokenizer
 
 
-def shard_count(model) -> int:
-    """Over how many ranks mlx-lm split ``model`` (1: not split): the group its sharded layers
-    reduce over (``AllToShardedLinear``/``ShardedToAllLinear``, a GatedDeltaNet's
-    ``sharding_group``)."""
+def _shard_group(model):
+    """The group mlx-lm's sharded layers of ``model`` reduce over (``AllToShardedLinear``/
+    ``ShardedToAllLinear``, a GatedDeltaNet's ``sharding_group``); ``None``: not split."""
     layers = getattr(model, "layers", None) or []
     for module in (layers[0].modules() if layers else []):
         group = getattr(module, "group", None) or getattr(module, "sharding_group", None)
         if group is not None and hasattr(group, "size"):
-            return int(group.size())
-    return 1
+            return group
+    return None
+
+
+def shard_count(model) -> int:
+    """Over how many ranks mlx-lm split ``model`` (1: not split)."""
+    group = _shard_group(model)
+    return 1 if group is None else int(group.size())
+
+
+def model_ranks(model) -> Ranks:
+    """The ranks ``model`` is split over, this process's place among them (one rank of one:
+    not split). What a generation's decisions must agree over: the group its passes reduce in."""
+    group = _shard_group(model)
+    if group is None or group.size() <= 1:
+        return Ranks()
+    return Ranks(int(group.rank()), int(group.size()), group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,34 +300,16 @@ def check_same_files(ranks: Ranks, model: str | Path, draft: str | Path) -> None
 
 
 def agreed_settings(ranks: Ranks, settings: dict) -> dict:
-    """Generation ``settings`` (``stream_generate`` keywords) every rank decides alike under.
-
-    The verify policy defaults to ``fixed`` (``confidence`` when ``min_confidence`` is given);
-    a policy that plans from this machine's timings is refused (ranks would verify different
-    row counts and their collectives would no longer pair up). Without a seed, rank 0's seed is
-    taken by every rank.
-    """
+    """Generation ``settings`` (``stream_generate`` keywords) every rank decides alike under:
+    without a seed, rank 0's seed, taken by every rank (one all-sum), so sampled runs draw the
+    same numbers everywhere. The verify policy is left as given: policies that plan from this
+    machine's timings (``auto``, ``tree``) plan on rank 0 and hand each plan to the other ranks
+    (:mod:`dflash.policy.agreed`)."""
     if not ranks.distributed:
         return settings
-    out = rank_safe_policy(settings)
+    out = dict(settings)
     if out.get("seed") is None:
         out["seed"] = ranks.from_main(random_seed())
-    return out
-
-
-def rank_safe_policy(settings: dict) -> dict:
-    """``settings`` with a verify policy every rank plans alike under: ``fixed`` by default
-    (``confidence`` when ``min_confidence`` is given); ``GenerationConfigError`` naming the
-    policy for one that plans from this machine's timings. No communication."""
-    out = dict(settings)
-    policy = out.get("policy")
-    if policy is None:
-        policy = "fixed" if out.get("min_confidence") is None else "confidence"
-    if policy not in RANK_SAFE_POLICIES:
-        raise GenerationConfigError(
-            f"policy={policy!r}: a sharded target verifies with {' or '.join(RANK_SAFE_POLICIES)} "
-            "(this policy plans from one machine's measured timings, which differ between ranks)")
-    out["policy"] = policy
     return out
 
 

@@ -1,5 +1,5 @@
-"""Data-parallel ranks over ``mx.distributed``: which rank this process is, and the few collectives
-training and datagen need.
+"""Ranks over ``mx.distributed``: which rank this process is, and the few collectives training and
+datagen need (and a sharded target's decoding: rank 0's values handed to every rank).
 
 Started with ``mlx.launch -n 2 --backend ring python -m dflash train ...`` every process sees the
 same data order; each rank takes its own shard of it (``items[rank::size]``), gradients are
@@ -63,6 +63,20 @@ class Ranks:
             return value
         mine = mx.array([value if self.is_main else 0], dtype=mx.int32)
         return int(mx.distributed.all_sum(mine, group=self.group).item())
+
+    def ints_from_main(self, values: np.ndarray | None, width: int) -> np.ndarray:
+        """Rank 0's ``values`` (at most ``width`` int32s, zero-padded to ``width``) on every
+        rank; the other ranks' ``values`` are ignored. One all-sum of ``width`` int32s to which
+        the other ranks add zeros: every rank must call it with the same ``width``."""
+        mine = np.zeros(width, dtype=np.int32)
+        if self.is_main and values is not None:
+            values = np.asarray(values, dtype=np.int32).ravel()
+            if len(values) > width:
+                raise ValueError(f"{len(values)} values: at most width={width}")
+            mine[:len(values)] = values
+        if not self.distributed:
+            return mine
+        return np.array(mx.distributed.all_sum(mx.array(mine), group=self.group))
 
     def average_gradients(self, grads):
         """The mean of every rank's gradients (each rank's own batch), the same on all ranks."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
 from .cost_model import PassCosts, cost_model
+from .distributed import model_ranks
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match, continuations
@@ -34,6 +35,7 @@ from .policy import (
     make_policy,
     policy_class,
 )
+from .policy.agreed import agreed
 from .policy.memory import PairMemory, memory_of
 from .prompt_cache import PromptCache
 from .prompts import encode_text
@@ -430,11 +432,13 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
         cost = cost.unlearnt()
     return DecodeState(cache, dcache, history=list(request.prompt_ids),
                        fed=list(request.prompt_ids),
-                       policy=make_policy(request.policy, request.block_size, cost,
-                                          min_confidence=request.min_confidence, trees=trees,
-                                          tree_budget=request.tree_budget,
-                                          pipelined=request.sampler.pipelines_plain_steps,
-                                          memory=memory, lookup=request.lookup),
+                       # A sharded target's ranks all verify rank 0's plans (policy.agreed).
+                       policy=agreed(make_policy(request.policy, request.block_size, cost,
+                                                 min_confidence=request.min_confidence,
+                                                 trees=trees, tree_budget=request.tree_budget,
+                                                 pipelined=request.sampler.pipelines_plain_steps,
+                                                 memory=memory, lookup=request.lookup),
+                                     model_ranks(parts)),
                        accepted_at=[0] * (request.block_size - 1),
                        proposed_at=[0] * (request.block_size - 1),
                        costs=shared_cost if shared_cost is not None

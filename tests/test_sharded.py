@@ -114,10 +114,16 @@ def test_two_ranks_match_mlx_lm_sharded(kind, two_rank_runs):
         assert got["taps_equal"], "tapped hidden states differ between the ranks"
         assert got["dflash_greedy"] == got["mlx_lm_greedy"], f"rank {r}"
         assert got["dflash_penalised"] == got["mlx_lm_penalised"], f"rank {r}"
+        assert got["dflash_fixed"] == got["mlx_lm_penalised"], f"rank {r}"
+        assert got["dflash_long"] == got["mlx_lm_long"], f"rank {r}"
+        if kind == "qwen3":  # attention-only: the tree policy runs
+            assert got["dflash_tree"] == got["mlx_lm_penalised"], f"rank {r}"
         assert got["sampled"][0] == got["sampled"][1], "a seeded sampled run did not reproduce"
         assert got["ranks_agree"], "the ranks generated different tokens"
+        assert got["plans_agree"], "the ranks verified different plans"
     assert ranks[0]["dflash_greedy"] == ranks[1]["dflash_greedy"]
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
+    assert ranks[0]["plans"] == ranks[1]["plans"]
 
 
 @pytest.mark.slow
@@ -135,11 +141,16 @@ def test_generate_command_under_launch(two_rank_runs):
 
 
 @pytest.mark.slow
-def test_launch_refuses_a_timing_policy(two_rank_runs):
-    _, target, draft = two_rank_runs("qwen3")
+def test_generate_command_with_trees_under_launch(two_rank_runs):
+    """``dflash generate --policy tree`` on two ranks: rank 0's trees verified on both, mlx-lm's
+    tokens."""
+    ranks, target, draft = two_rank_runs("qwen3")
     run = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
-                 "--prompt", PROMPT, "--max-tokens", "4", "--policy", "auto")
-    assert "policy='auto': a sharded target verifies with fixed or confidence" in run.stderr
+                 "--prompt", PROMPT, "--no-chat-template", "--max-tokens", "24", "--json",
+                 "--no-speedup-estimate", "--policy", "tree")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert json.loads(lines[0])["tokens"] == ranks[0]["mlx_lm_greedy"][:24]
 
 
 @pytest.mark.slow
@@ -282,7 +293,8 @@ def assert_everybody_hears(base: str, proc, logs, message: str, tail: str, took:
 def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
     """``dflash serve`` on two ranks: rank 0 serves, rank 1 follows its generations. A chat
     completion, streamed or not, alone or three at once (batched), or run alone with its own
-    verify plan, is ``dflash generate``'s answer on the same setup; a seeded sampled one reproduces; one whose client leaves
+    verify plan (auto and tree included), is ``dflash generate``'s answer on the same setup; a
+    seeded sampled one reproduces (batched, and alone with auto); one whose client leaves
     mid-stream stops on both ranks. Rank 1 killed mid-stream: the open stream ends with an error
     naming it within 30 s, a new request gets a 503 naming it, and the server exits."""
     import httpx
@@ -304,14 +316,15 @@ def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
                 range(3)))
         assert together == [hello_answer] * 3
         # A request with its own verify plan runs alone (the single-sequence engine on every
-        # rank): the same answer; a plan from one rank's timings is refused.
-        alone = client.chat.completions.create(**hello, extra_body={"min_confidence": 0.5})
-        assert alone.choices[0].message.content == hello_answer
-        with pytest.raises(openai.BadRequestError, match="policy='auto': a sharded target"):
-            client.chat.completions.create(**hello, extra_body={"policy": "auto"})
-        sampled = [client.chat.completions.create(**{**hello, "temperature": 0.9, "seed": 3})
-                   .choices[0].message.content for _ in range(2)]
-        assert sampled[0] == sampled[1]
+        # rank): the same answer, rank 0's plans verified on both ranks for auto and tree.
+        for own in ({"min_confidence": 0.5}, {"policy": "auto"}, {"policy": "tree"}):
+            alone = client.chat.completions.create(**hello, extra_body=own)
+            assert alone.choices[0].message.content == hello_answer, own
+        sampled = [client.chat.completions.create(**{**hello, "temperature": 0.9, "seed": 3},
+                                                  extra_body=own)
+                   .choices[0].message.content for own in ({}, {}, {"policy": "auto"},
+                                                           {"policy": "auto"})]
+        assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
         # A client that leaves mid-stream stops the generation on both ranks at the same cycle:
         # the next request is answered, and alike.
         body = {"model": "default", "prompt": PROMPT, "max_tokens": 3000, "stream": True}
@@ -431,6 +444,147 @@ def test_settings_unchanged_without_a_launch():
     assert distributed.agreed_settings(Ranks(), settings) is settings
 
 
+class _Wire:
+    """Both ends of :meth:`~dflash.ranks.Ranks.ints_from_main` in one process: rank 0's messages
+    queued for a follower that runs afterwards."""
+
+    def __init__(self):
+        self.queue: list[np.ndarray] = []
+
+    def end(self, main: bool):
+        wire = self
+
+        class End:
+            is_main, distributed = main, True
+
+            def ints_from_main(self, values, width):
+                if main:
+                    message = np.zeros(width, dtype=np.int32)
+                    message[:len(values)] = values
+                    wire.queue.append(message)
+                    return message
+                return wire.queue.pop(0)
+
+        return End()
+
+
+def test_plans_cross_to_the_followers_exactly():
+    from dflash.lookup import MAX_CHAIN
+    from dflash.policy import Chain, Continuation, Plain, Tree
+    from dflash.policy.agreed import UNVERIFIED, WIDTH, decode, encode
+    from dflash.tree import DraftTree, continuation_tree
+
+    tree = DraftTree([5, 9, 7, 11], [-1, 0, 0, 1], [0, 1, 1, 2], [0.0, -0.25, -1.5, -0.1 / 3],
+                     [0, 0, 1, 0])
+    rivals = continuation_tree(-1, [list(range(1, MAX_CHAIN + 1)), [1, 2, 99]],
+                               [[0.9] * MAX_CHAIN, [0.5] * 3], MAX_CHAIN)
+    plans = [Plain(7), Chain(0), Chain(15), Tree(tree),
+             Tree(DraftTree([3, 4], [-1, 0], [0, 1], [0.0, -0.5])),
+             Continuation(tuple(range(1, MAX_CHAIN + 1)), 64, 3, "index", 0.123456789, rivals),
+             Continuation((4, 5), 2), Continuation((8,), 1, 1, "context", None, tree)]
+    for plan in plans:
+        message = encode(plan)
+        assert message.shape == (WIDTH,) and message.dtype == np.int32
+        assert decode(message)[1] == plan, plan
+    assert decode(encode(UNVERIFIED, a=12))[::2] == (UNVERIFIED, 12)
+    with pytest.raises(ValueError, match="at most"):
+        encode(Continuation(tuple(range(MAX_CHAIN + 1)), 1))
+
+
+def _engine_cycles(policy, script, block: int = 16) -> list:
+    """``policy`` asked and told in the order :func:`dflash.speculative.speculative_step` and
+    ``plain_steps`` ask and tell it, over scripted drafter candidates, continuations and
+    acceptances; every plan it gave, in order."""
+    from dflash.policy import Outcome, Plain, Tree, Unverified
+
+    plans, context = [], 100
+    for look, make_candidates, accepted, later in script:
+        plan = policy.before_draft(context, 64, look)
+        rows = log_conf = None
+        if plan is None:
+            rows = policy.draft_rows(block)
+            candidates = make_candidates(rows - 1, policy.candidates)
+            log_conf = candidates[0][:, 0]
+            plan = policy.after_draft(candidates, 1, rows)
+        plans.append(plan)
+        if isinstance(plan, Unverified):
+            policy.observe(Outcome(plan, log_conf=log_conf, draft_rows=rows, context=context))
+            plan = Plain(1 + policy.plain_stretch(context, 63))
+            plans.append(plan)
+        if isinstance(plan, Plain):
+            taken = 0
+            for i in range(plan.steps):
+                taken += 1
+                context += 1
+                policy.observe(Outcome(Plain(1), context=context))
+                if i + 1 < plan.steps and policy.looks_up and policy.lookup_worth(later[i % 2]):
+                    break
+            policy.give_back(plan.steps - taken)
+            continue
+        a = min(accepted, plan.rows)
+        path = tuple(range(1, a + 1)) if isinstance(plan, Tree) else None
+        policy.observe(Outcome(plan, a, path, log_conf, rows or 0, context))
+        context += a + 1
+    return plans
+
+
+def test_followers_plan_what_rank_0_plans():
+    """Rank 0's auto policy (timings of its own) and a follower driven as the engine drives
+    them: the follower's plans are rank 0's, every kind of plan included, and rank 0's are what
+    the policy alone plans."""
+    from dflash.cost_model import PassCosts
+    from dflash.lookup import Match
+    from dflash.policy import make_policy
+    from dflash.policy.agreed import PlanFollower, PlanLeader, agreed
+
+    rng = np.random.default_rng(3)
+
+    def candidates_for(seed, spread):
+        def make(rows, k):
+            p = np.random.default_rng(seed).dirichlet(np.full(40, spread), size=rows)
+            order = np.argsort(-p, axis=1, kind="stable")[:, :k]
+            return np.log(np.take_along_axis(p, order, axis=1) + 1e-30), order + 2
+        return make
+
+    def match(n):
+        return Match(tuple(int(t) for t in rng.integers(2, 90, n)), int(rng.integers(1, 20)),
+                     int(rng.integers(1, 4))) if n else None
+
+    # A drafter that is confident and right, then unsure and wrong (speculation loses: plain
+    # stretches, unverified probes), then anything; continuations now and then.
+    phases = [(0.005, 15, [0, 0, 0, 3]), (1.0, 0, [0]), (0.2, None, [0, 0, 3, 9])]
+    script = [(match(int(rng.choice(looks))), candidates_for(i, spread),
+               int(rng.integers(0, 9)) if accepted is None else accepted,
+               (match(int(rng.choice([0, 2]))), None))
+              for spread, accepted, looks in phases for i in range(60)]
+    costs = PassCosts("test", {})
+    for ms, rows in ((1.0, 1), (1.05, 4), (1.1, 16), (1.3, 33)):  # verifying rows costs little
+        for _ in range(3):
+            costs.observe("verify", rows, 100, ms / 1000)
+    costs.observe("draft", 16, 100, 0.0004)
+
+    kinds = set()
+    for trees in (True, False):  # drafted trees on an attention-only target, else chains
+        def auto(trees=trees):
+            return make_policy("auto", 16, costs, trees=trees)
+
+        alone = _engine_cycles(auto(), script)
+        wire = _Wire()
+        leader = agreed(auto(), wire.end(True))
+        assert isinstance(leader, PlanLeader)
+        led = _engine_cycles(leader, script)
+        follower = agreed(auto(), wire.end(False))
+        assert isinstance(follower, PlanFollower)
+        followed = _engine_cycles(follower, script)
+        assert followed == led == alone and not wire.queue
+        assert follower.stats.plain_steps == leader.stats.plain_steps
+        kinds |= {type(p).__name__ for p in led}
+    assert {"Chain", "Tree", "Plain", "Unverified", "Continuation"} <= kinds, kinds
+    # fixed and confidence price nothing: not wrapped
+    fixed = make_policy("fixed", 16)
+    assert agreed(fixed, wire.end(False)) is fixed
+
+
 def test_engine_calls_cross_to_the_followers_unchanged():
     from dflash import distributed
     from dflash.ranks import Ranks
@@ -444,9 +598,6 @@ def test_engine_calls_cross_to_the_followers_unchanged():
     assert distributed.call_from_main(Ranks()) is None
     assert distributed.other_ranks(Ranks(0, 2)) == "rank 1"
     assert distributed.other_ranks(Ranks(0, 4)) == "one of ranks 1-3"
-    with pytest.raises(ValueError, match="policy='tree': a sharded target verifies"):
-        distributed.rank_safe_policy({"policy": "tree"})
-    assert distributed.rank_safe_policy({"min_confidence": 0.5})["policy"] == "confidence"
 
 
 def test_a_lost_rank_fails_every_open_queued_and_later_job():
@@ -483,14 +634,14 @@ def test_a_lost_rank_fails_every_open_queued_and_later_job():
 
 def _worker(target: str, draft: str, out: str) -> None:
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, generation_stream
     from mlx_lm.sample_utils import make_logits_processors
 
     from dflash import distributed
     from dflash.cli import build_parser, encode
     from dflash.pair import load_pair
     from dflash.speculative import stream_generate
-    from dflash.target import forward, make_cache, target_parts
+    from dflash.target import forward, make_cache, target_parts, tree_supported
 
     ranks = distributed.join()
     pair = load_pair(target, draft)
@@ -503,29 +654,50 @@ def _worker(target: str, draft: str, out: str) -> None:
         every = np.array(mx.distributed.all_gather(mine, group=ranks.group))
         return bool((every == every[0]).all())
 
+    def mlx_lm(**settings) -> list[int]:
+        tokens = [int(t) for t, _ in generate_step(mx.array(ids), pair.model, **settings)]
+        # generate_step leaves its next pass queued on its stream: a collective issued on
+        # another stream before that pass ends would pair with one of its all-sums.
+        mx.synchronize(generation_stream)
+        return tokens
+
     _, taps = forward(parts, mx.array(ids)[None], make_cache(parts), pair.draft.target_layer_ids)
     n = 24
-    reference = [int(t) for t, _ in generate_step(mx.array(ids), pair.model, max_tokens=n)]
+    reference = mlx_lm(max_tokens=n)
     # A repetition penalty keeps a random-weight target from repeating one token: more varied
     # greedy tokens to compare.
-    penalised = [int(t) for t, _ in generate_step(
-        mx.array(ids), pair.model, max_tokens=n,
-        logits_processors=make_logits_processors(repetition_penalty=1.5))]
+    penalised = mlx_lm(max_tokens=n,
+                       logits_processors=make_logits_processors(repetition_penalty=1.5))
+    long_reference = mlx_lm(max_tokens=4 * n)
+
+    plans = []  # what each run's policy chose (counted on every rank from its own outcomes)
 
     def run(**settings) -> list[int]:
         settings = distributed.agreed_settings(ranks, {"max_tokens": n, **settings})
-        return [t for r in stream_generate(pair.model, pair.draft, pair.tokenizer, ids,
-                                           **settings) for t in r.tokens]
+        tokens, last = [], None
+        for last in stream_generate(pair.model, pair.draft, pair.tokenizer, ids, **settings):
+            tokens += last.tokens
+        plans.extend([last.cycles, last.plain_steps, last.tree_cycles, last.lookup_cycles,
+                      last.verified_tokens])
+        return tokens
 
+    # The default policy (auto: rank 0 plans from its timings, rank 1 takes its plans), fixed,
+    # and trees where the target verifies them.
     greedy = run()
     greedy_penalised = run(repetition_penalty=1.5)
+    fixed = run(policy="fixed", repetition_penalty=1.5)
+    trees = tree_supported(parts, make_cache(parts))
+    tree = run(policy="tree", repetition_penalty=1.5) if trees else None
+    long = run(max_tokens=4 * n)  # long enough for the context to repeat itself
     sampled = [run(temperature=0.8, seed=7), run(temperature=0.8, seed=7)]
     sharded = any(type(m).__name__.startswith(("AllToSharded", "ShardedToAll"))
                   for _, m in pair.model.named_modules())
     result = {"rank": ranks.rank, "size": ranks.size, "taps_equal": same_everywhere(taps),
               "mlx_lm_greedy": reference, "dflash_greedy": greedy, "mlx_lm_penalised": penalised,
-              "dflash_penalised": greedy_penalised, "sampled": sampled,
-              "ranks_agree": same_everywhere(greedy + sampled[0]), "sharded": sharded}
+              "dflash_penalised": greedy_penalised, "dflash_fixed": fixed, "dflash_tree": tree,
+              "mlx_lm_long": long_reference, "dflash_long": long, "sampled": sampled,
+              "plans": plans, "plans_agree": same_everywhere(plans),
+              "ranks_agree": same_everywhere(greedy + long + sampled[0]), "sharded": sharded}
     Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
 
 

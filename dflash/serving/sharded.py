@@ -6,7 +6,8 @@ same order with the same shapes, so every rank must run exactly the generations 
 before it makes it. A job run alone (the single-sequence engine): the prompt's token ids, the
 engine settings with the seed rank 0 chose, the scope whose index and prefix cache it uses; after
 each cycle, whether to go on (a client that left stops the generation on every rank at the same
-cycle). With ``max_concurrency`` above 1 the batched engine's calls are handed over the
+cycle); its ``auto`` or ``tree`` plans cross inside the engine, from rank 0's policy
+(:mod:`dflash.policy.agreed`). With ``max_concurrency`` above 1 the batched engine's calls are handed over the
 same way: its construction, each ``insert`` (with the seed rank 0 chose) and each ``step`` with
 the cancellations decided before it; the batch verifies with ``fixed``, whose plans do not depend
 on one rank's timings. The followers here replay those calls on their own copy of the scopes,

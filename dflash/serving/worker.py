@@ -509,14 +509,9 @@ class Worker:
         self._beat_now()  # before it is current: the watchdog times a current job from here
         self.current = job
         job.started = time.perf_counter()
-        try:
-            kwargs = distributed.rank_safe_policy(job.kwargs)  # auto/tree: the client's error
-            if kwargs.get("seed") is None:  # sampled: every rank draws from rank 0's seed
-                kwargs["seed"] = distributed.random_seed()
-        except ValueError as e:
-            job.emit("error", e)
-            self.current = None
-            return
+        kwargs = dict(job.kwargs)
+        if kwargs.get("seed") is None:  # sampled: every rank draws from rank 0's seed
+            kwargs["seed"] = distributed.random_seed()
         scope = job.scope if job.scope is not None else self.scopes.get(None)
         try:
             distributed.call_to_followers(self.ranks, {
