@@ -98,6 +98,10 @@ class CostModel:
     # windowed), so its pass grows with it too; empty: ``draft_ms`` at every context.
     draft_ms_at: list[list[float]] = field(default_factory=list)
 
+    def unlearnt(self) -> CostModel:
+        """A measured table learns nothing: itself (see :meth:`PassCosts.unlearnt`)."""
+        return self
+
     def verify(self, rows: int, context: int = 256) -> float:
         """Milliseconds of one target pass over ``rows`` tokens after ``context`` cached ones."""
         per_context = [_interp(rows, self.rows, ms) for ms in self.verify_ms]

@@ -296,7 +296,10 @@ def test_ctrl_c_exits_130_without_traceback(pair):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash", "generate", "--model", str(target), "--draft",
          str(draft), "--prompt", "Go on and on.", "--max-tokens", "4000"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+        # A test run started in the background inherits an ignored SIGINT (and Python then
+        # installs no handler): give the child the default a terminal's Ctrl-C meets.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     os.set_blocking(proc.stdout.fileno(), False)
     got = b""
