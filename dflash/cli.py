@@ -177,6 +177,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "the prefix cache): key (default: the same API key's only), all (one "
                         "shared by every client: single-user machines), none (no reuse across "
                         "requests)")
+    g.add_argument("--keepalive", type=float, default=10.0, metavar="SECONDS",
+                   help="a stream with no output yet (queued, or a long prompt being processed) "
+                        "sends a keepalive every SECONDS, in a form its clients skip, so that "
+                        "clients with an idle timeout keep waiting (default 10)")
     g.add_argument("--rank-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="a target sharded under mlx.launch: seconds a generation may go without "
                         "finishing a cycle before the other ranks count as gone and every "
@@ -497,6 +501,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "tokens", code=2)
     if args.rank_timeout <= 0:
         raise CLIError(f"--rank-timeout {args.rank_timeout}: must be > 0 seconds", code=2)
+    if not args.keepalive > 0:
+        raise CLIError(f"--keepalive {args.keepalive}: must be > 0 seconds", code=2)
     from . import distributed
     from .errors import RankLost
     from .lookup import DEFAULT_BUDGET
@@ -520,7 +526,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                max_concurrency=args.max_concurrency, reasoning=args.reasoning,
                                pair_memory=args.pair_memory, api_keys=keys, share=args.share,
                                **kv_kwargs(args), index_budget=args.index_budget or DEFAULT_BUDGET,
-                               draft_window=args.draft_window, rank_timeout=args.rank_timeout)
+                               draft_window=args.draft_window, rank_timeout=args.rank_timeout,
+                               keepalive=args.keepalive)
     except DFlashError as e:
         raise CLIError(as_option(one_line(e), SERVE_SETTINGS), code=1) from None
     try:

@@ -502,3 +502,102 @@ def test_builtin_pair_calls_a_function_and_answers_its_output(builtin):
     assert final.status == "completed" and "".join(deltas) == final.output_text
     assert final.output_text == answer.output_text  # the same conversation, greedy
     assert refused(builtin["log"].read_text()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Keepalive comments while a long prompt is processed
+
+
+def _long(tag: str) -> str:
+    """A prompt of ~1,200 tokens that shares no prefix with another tag's (no prefix cache hit:
+    every request processes its whole prompt)."""
+    return f"Document {tag}. " + "Here is a long document to read before answering. " * 200
+
+
+def test_keepalive_must_be_positive():
+    from dflash.errors import ServerConfigError
+    from dflash.serving import create_server
+
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ServerConfigError, match="--keepalive"):
+            create_server("no-such-model", keepalive=bad)  # refused before loading
+
+
+def _raw_stream(base: str, path: str, body: dict) -> list[str]:
+    """The SSE lines of one streamed request, as they come (blank lines dropped)."""
+    import httpx
+
+    with httpx.stream("POST", base + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return [line for line in r.iter_lines() if line]
+
+
+@pytest.mark.slow
+def test_keepalives_arrive_before_the_first_output_and_every_sdk_takes_them(tiny_pair, tmp_path):
+    """Long prompts (~2,000 tokens) with keepalives every 5 ms. Before the first output: ``keepalive`` events
+    after the opening ones on the Responses API (what OpenAI's API sends, and what resets the
+    Codex CLI's idle timeout), an SSE comment on chat completions, Anthropic's ``ping`` on
+    messages; the official clients parse such streams, and answer as without them."""
+    anthropic = pytest.importorskip("anthropic")
+    from test_server import MODEL_NAME, _eos_bias, launch_server
+
+    def chat(tag: str) -> list[dict]:
+        return [{"role": "user", "content": _long(tag)}]
+
+    target, draft = tiny_pair(KIND)
+    with launch_server(target, draft, tmp_path / "server.log", "--max-concurrency", "1",
+                       "--keepalive", "0.005") as s:
+        base = s["base"]
+        lines = _raw_stream(base, "/v1/responses", {"model": MODEL_NAME, "input": _long("A"),
+                                                    "max_output_tokens": 4, "stream": True})
+        names = [line.split(": ", 1)[1] for line in lines if line.startswith("event: ")]
+        output = names.index("response.output_item.added")
+        assert names[:3] == ["response.created", "response.in_progress", "keepalive"], names
+        assert set(names[2:output]) == {"keepalive"} and "keepalive" not in names[output:]
+        data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert data[2] == {"type": "keepalive", "sequence_number": 2}
+        assert [d["sequence_number"] for d in data] == list(range(len(data)))
+        for path, body, first, after in [
+                ("/v1/chat/completions", {"messages": chat("B"), "max_tokens": 4}, ": keepalive",
+                 "data: "),
+                ("/v1/messages", {"messages": chat("C"), "max_tokens": 4}, "event: ping",
+                 "event: message_start")]:
+            lines = _raw_stream(base, path, {**body, "model": MODEL_NAME, "stream": True})
+            start = next(i for i, line in enumerate(lines) if line.startswith(after))
+            assert start >= 1 and lines[0] == first, (path, lines[:4])
+            assert all(line == first or line == 'data: {"type": "ping"}'
+                       for line in lines[:start]), (path, lines[:start])
+
+        # The SDKs on fresh prompts (keepalives first), then the same requests not streamed.
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        events, text = _collect(client.responses.create(
+            model=MODEL_NAME, input=_long("D"), max_output_tokens=4, stream=True))
+        whole = client.responses.create(model=MODEL_NAME, input=_long("D"),
+                                        max_output_tokens=4)
+        assert [e.type for e in events[:3]] == ["response.created", "response.in_progress",
+                                                "keepalive"]
+        assert text == whole.output_text == events[-1].response.output_text
+        assert events[-1].response.usage.input_tokens == whole.usage.input_tokens
+        end = {"logit_bias": {k: 100 for k in _eos_bias(None)}}  # the helper needs completed
+        with client.responses.stream(model=MODEL_NAME, input=_long("E"), max_output_tokens=4,
+                                     extra_body=end) as stream:
+            kinds = [e.type for e in stream]
+            final = stream.get_final_response()
+        assert "keepalive" in kinds and final.status == "completed"
+        assert final.output_text == client.responses.create(
+            model=MODEL_NAME, input=_long("E"), max_output_tokens=4, extra_body=end).output_text
+        streamed = client.chat.completions.create(model=MODEL_NAME, messages=chat("F"),
+                                                  max_tokens=4, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) \
+            == client.chat.completions.create(model=MODEL_NAME, messages=chat("F"),
+                                              max_tokens=4).choices[0].message.content
+        claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0,
+                                     timeout=300)
+        with claude.messages.stream(model=MODEL_NAME, max_tokens=4,
+                                    messages=chat("G")) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        alone = claude.messages.create(model=MODEL_NAME, max_tokens=4, messages=chat("G"))
+        assert text == "".join(b.text for b in final.content if b.type == "text") \
+            == "".join(b.text for b in alone.content if b.type == "text")

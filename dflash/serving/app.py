@@ -75,6 +75,13 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 OPEN_PATHS = ("/", "/health")
 # Seconds a sharded server whose other ranks are gone keeps answering 503 before it exits.
 LOST_GRACE = 10.0
+# A stream with no output yet (queued, or a long prompt being processed) sends a keepalive every
+# KEEPALIVE_SECONDS (see ``keepalive``), so that clients and proxies with an idle timeout keep
+# waiting. The first one commits the response to 200: errors raised later are reported in the
+# stream, so it comes only after errors raised at once had their JSON 4xx.
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: every SSE parser skips it
+PING = 'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's, skipped by its clients
+KEEPALIVE_SECONDS = 10.0
 SHARED = {"key": "index and prefix cache per API key",
           "all": "index and prefix cache shared by all clients",
           "none": "no index or prefix cache across requests"}
@@ -90,8 +97,9 @@ class Server:
     def __init__(self, worker: Worker, model_name: str, max_context: int | None = None,
                  default_max_tokens: int = 512, block_size: int | None = None,
                  reasoning: str = "auto", keys: APIKeys | None = None,
-                 kv: dict | None = None):
+                 kv: dict | None = None, keepalive: float = KEEPALIVE_SECONDS):
         self.worker = worker
+        self.keepalive = keepalive  # seconds between keepalive comments before the first output
         self.kv = kv or {}  # the target's KV cache settings, the same for every request
         self.keys = keys if keys is not None else APIKeys()
         self.pair = worker.pair
@@ -232,8 +240,12 @@ class Server:
         fmt = self.stream_format(req)
         gen = self.generate(req)
         status, started = "ok", False
+        first = asyncio.ensure_future(gen.__anext__())
         try:
-            job, r = await gen.__anext__()  # errors before any output propagate to the handler
+            while not (await asyncio.wait({first}, timeout=self.keepalive))[0]:
+                started = True  # the headers go with the first keepalive
+                yield keepalive(fmt)
+            job, r = first.result()  # errors before any output propagate to the handler
             started = True
             yield fmt.opening(len(req.prompt_ids), r)  # "" for completions: it has started
             while True:
@@ -254,9 +266,25 @@ class Server:
             # Headers are gone: report in-band, as OpenAI and Anthropic do, and end the stream.
             yield fmt.error(e)
         finally:
+            if not first.done():
+                first.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await first
             await gen.aclose()
             if started:
                 self.metrics.request(req.endpoint, status)
+
+
+def keepalive(fmt) -> str:
+    """What a stream with no output yet sends every ``--keepalive`` seconds, in the form its
+    official clients skip: an SSE comment for chat and completions, Anthropic's own ``ping``
+    event for messages, and for the Responses API its opening events, then ``keepalive`` events
+    (:meth:`ResponseStream.keepalive`: Codex times out on events, not bytes)."""
+    if isinstance(fmt, ResponseStream):
+        return fmt.keepalive()
+    if isinstance(fmt, MessageStream):
+        return PING
+    return KEEPALIVE
 
 
 def build_app(server: Server):
@@ -487,7 +515,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   kv_bits: int | None = None, kv_group_size: int = 64,
                   quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None,
-                  rank_timeout: float = RANK_TIMEOUT) -> Server:
+                  rank_timeout: float = RANK_TIMEOUT,
+                  keepalive: float = KEEPALIVE_SECONDS) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
@@ -500,8 +529,11 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
     Under ``mlx.launch`` with a sharded target this is rank 0's server (the other ranks run
     :func:`follow_server`; batches verify with ``fixed``); ``rank_timeout``: seconds without a
-    finished cycle before the other ranks count as gone.
+    finished cycle before the other ranks count as gone. ``keepalive``: seconds between the SSE
+    comments a stream sends before its first output (:data:`KEEPALIVE`).
     """
+    if not keepalive > 0:
+        raise ServerConfigError(f"--keepalive {keepalive!r}: must be > 0 seconds")
     keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
         from ..drafter import check_window
@@ -534,7 +566,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                     rank_timeout=rank_timeout).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
-                  reasoning=reasoning, keys=keys,
+                  reasoning=reasoning, keys=keys, keepalive=keepalive,
                   kv=None if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size,
                                               "quantized_kv_start": kv.start})
 

@@ -424,6 +424,7 @@ class ResponseStream:
         self.output: list[dict] = []  # finished items
         self.open: dict | None = None  # the text item being streamed
         self.texts = {"message": "", "reasoning": ""}
+        self.opened = False
 
     def _event(self, kind: str, data: dict) -> str:
         line = event(kind, {**data, "sequence_number": self.seq})
@@ -436,9 +437,20 @@ class ResponseStream:
                                list(self.output), usage, stats, error)
 
     def opening(self, n_prompt: int = 0, first=None) -> str:
+        if self.opened:  # sent early, as the first keepalive
+            return ""
+        self.opened = True
         r = self._response("in_progress")
         return (self._event("response.created", {"response": r})
                 + self._event("response.in_progress", {"response": r}))
+
+    def keepalive(self) -> str:
+        """What the stream sends while the prompt is processed, before any output: the opening
+        events first, then ``keepalive`` events (``{"type": "keepalive", "sequence_number": n}``,
+        as OpenAI's API sends on long streams). Not SSE comments: the Codex CLI's idle timeout
+        counts events, and its SSE parser skips comments; the ``openai`` SDK's stream helper
+        needs ``response.created`` before any other event."""
+        return self.opening() if not self.opened else self._event("keepalive", {})
 
     def _item_ids(self) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.output)}
