@@ -433,3 +433,55 @@ def test_a_continuation_that_ends_a_losing_streak_is_remembered():
     plan = Continuation((1, 2, 3, 4, 5), 3, drafter_value=1.0)  # beat a drafted block
     observe(policy, plan, 5)
     assert policy.backoff.losses == 0 and memory.losses == 0
+
+
+def test_rival_continuations_are_priced_alike_after_a_save_and_a_load(tmp_path):
+    """The calibration of rival continuations (off-spine nodes of continuation trees) is stored
+    with the rest: a policy started from the file prices a tree of rivals as one started from the
+    memory that wrote it, and both unlike the prior. A file written before it was stored starts
+    the rivals from the prior and keeps the rest."""
+    import json
+
+    from test_policy import CHEAP_ROWS, auto, rivals_match
+
+    from dflash.policy.calibration import RIVAL_PRIORS
+
+    path = tmp_path / "pair.json"
+    memory = PairMemory(15, path)
+    teacher = auto(CHEAP_ROWS, losses=1, trees=True, memory=memory)
+    plan = teacher.before_draft(128, MAX_BACKOFF, rivals_match())
+    tree = plan.tree
+    rival = next(i for i in range(1, len(tree)) if tree.tokens[i] == 7)  # right; the spine not
+    below = [i for i in range(1, len(tree)) if tree.parents[i] == rival]
+    for _ in range(6):
+        memory.observe(Outcome(plan, 2, (rival, below[0]), context=128))
+    memory.save()
+
+    def priced(m: PairMemory | None) -> tuple:
+        policy = auto(CHEAP_ROWS, losses=1, trees=True, memory=m)
+        chosen = policy.before_draft(128, MAX_BACKOFF, rivals_match())
+        return tuple(chosen.tree.tokens), round(policy.expected, 9)
+
+    reread = PairMemory.open(path, 15)
+    assert reread.source == f"stored {path}"
+    assert reread.calibration.rivals.hits == pytest.approx(memory.calibration.rivals.hits,
+                                                           abs=1e-6)
+    assert reread.calibration.rivals.mass == pytest.approx(memory.calibration.rivals.mass,
+                                                           abs=1e-6)
+    assert priced(reread) == priced(memory) != priced(None)
+
+    older = json.loads(path.read_text())
+    del older["rivals"]
+    path.write_text(json.dumps(older))
+    before = PairMemory.open(path, 15)
+    assert before.source == f"stored {path}"
+    assert (before.calibration.rivals.hits, before.calibration.rivals.mass) == (
+        {k: h for k, (h, _) in RIVAL_PRIORS.items()}, {k: m for k, (_, m) in RIVAL_PRIORS.items()})
+    assert priced(before) == priced(None)
+    np.testing.assert_allclose(before.calibration.continuation.tried,
+                               memory.calibration.continuation.tried, atol=1e-4)
+    for bad in ({"hits": {"sibling": 1.0}, "mass": {"sibling": 1.0, "branch": 1.0}},
+                {"hits": {"sibling": 1.0, "branch": 1.0}, "mass": {"sibling": 0.0, "branch": 1.0}},
+                "many"):
+        with pytest.raises(ValueError, match="rivals"):
+            PairMemory(15).load({**older, "rivals": bad})

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..backend import env_flag
 from ..console import one_line, say_once
-from .calibration import BINS, AcceptanceModel, Calibration, NodeCalibration
+from .calibration import BINS, RIVAL_PRIORS, AcceptanceModel, Calibration, NodeCalibration
 from .plan import Continuation, Outcome
 
 FORMAT = "dflash-pair-memory/1"
@@ -76,7 +76,8 @@ class Carried:
 
 class PairMemory:
     """What a pair's generations taught the ``auto`` policy: the drafter's and the continuations'
-    acceptance calibrations, the off-spine node calibration, the verified depths, the drafted
+    acceptance calibrations, the off-spine node calibrations (the drafter's trees' and the rival
+    continuations'), the verified depths, the drafted
     blocks' expected rate and the losing streak. Each generation starts from a decayed copy
     (:meth:`start`) and reports its cycles as they happen (:meth:`observe`, under a lock:
     generations in other threads see them from their next start, never mid-generation).
@@ -193,6 +194,7 @@ class PairMemory:
         return {"format": FORMAT, "machine": machine_id(), "saved_at": time.time(),
                 "acceptance": model(c.drafter), "lookup": model(c.continuation),
                 "nodes": {"hits": c.nodes.hits, "mass": c.nodes.mass},
+                "rivals": {"hits": c.rivals.hits, "mass": c.rivals.mass},
                 "depths": list(self.depths), "losses": self.losses,
                 "draft_rate": self.draft_rate}
 
@@ -207,13 +209,10 @@ class PairMemory:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this dflash writes {FORMAT!r}")
         acceptance, lookup = (_stored_model(data, name) for name in ("acceptance", "lookup"))
-        raw = data.get("nodes")
-        if not isinstance(raw, dict):
-            raise ValueError("nodes: not an object")
-        hits = {k: _number(raw.get("hits"), k, "nodes.hits") for k in NodeCalibration.PRIORS}
-        mass = {k: _number(raw.get("mass"), k, "nodes.mass") for k in NodeCalibration.PRIORS}
-        if any(m <= 0 for m in mass.values()):
-            raise ValueError("nodes.mass: must be > 0")
+        nodes = _stored_nodes(data, "nodes", NodeCalibration.PRIORS)
+        # Files written before rival continuations were stored start them from the prior.
+        rivals = _stored_nodes(data, "rivals", RIVAL_PRIORS) if "rivals" in data else \
+            NodeCalibration(RIVAL_PRIORS)
         depths = data.get("depths")
         if not isinstance(depths, list) or not all(
                 isinstance(d, int) and 0 <= d <= acceptance.rows + 1 for d in depths):
@@ -226,9 +225,7 @@ class PairMemory:
                 raise ValueError(f"losses: {losses!r}")
             if data.get("draft_rate") is not None:
                 rate = _number(data, "draft_rate", "draft_rate")
-        nodes = NodeCalibration()
-        nodes.hits, nodes.mass = hits, mass
-        for stored in (acceptance, lookup, nodes):  # capped like any memory observed here
+        for stored in (acceptance, lookup, nodes, rivals):  # capped like any memory observed here
             stored.cap(self.cap)
         with self._lock:
             c = self.calibration
@@ -236,7 +233,7 @@ class PairMemory:
             c.continuation = c.continuation.grown(lookup.rows)
             acceptance.copy_into(c.drafter)
             lookup.copy_into(c.continuation)
-            c.nodes = nodes
+            c.nodes, c.rivals = nodes, rivals
             self.depths.extend(depths)
             self.losses, self.draft_rate = losses, rate
         return same_machine
@@ -249,6 +246,19 @@ def _number(where: dict, key: str, name: str) -> float:
             not np.isfinite(value) or value < 0:
         raise ValueError(f"{name}: {value!r} is not a finite number >= 0")
     return float(value)
+
+
+def _stored_nodes(data: dict, name: str, priors: dict) -> NodeCalibration:
+    """The node calibration stored under ``name`` (one of each kind of ``priors``), checked."""
+    raw = data.get(name)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name}: not an object")
+    nodes = NodeCalibration(priors)
+    nodes.hits = {k: _number(raw.get("hits"), k, f"{name}.hits") for k in priors}
+    nodes.mass = {k: _number(raw.get("mass"), k, f"{name}.mass") for k in priors}
+    if any(m <= 0 for m in nodes.mass.values()):
+        raise ValueError(f"{name}.mass: must be > 0")
+    return nodes
 
 
 def _stored_model(data: dict, name: str) -> AcceptanceModel:
