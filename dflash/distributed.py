@@ -40,16 +40,16 @@ to agree, with what each costs in communication:
   than one verify row's activations (docs/distributed.md puts numbers on both).
 * every rank prices with the same numbers (rank 0's timings sent to all): no collective per
   cycle, but the prices would have to stay frozen between agreed refreshes (the policy learns
-  from each pass on one process), every other input of the plan (calibration, the pair memory
-  read from each machine's disk, the stored calibration file) would have to be sent too, and one
+  from each pass on one process), every other input of the plan (the pair memory and the stored
+  cost calibration each machine reads from its own disk) would have to be sent too, and one
   rank-local input overlooked later would not fail but hang the ranks in mismatched collectives.
 
-The first is chosen: its cost is small and counted, and it cannot diverge by construction — the
-other ranks never price anything, and a plan carries every token and tree parent it verifies, so
-their drafter outputs are only needed to be identical (they are: same inputs, same shapes, the
-same number of candidates read). The batched engine (``dflash serve`` with several requests)
-still verifies with ``fixed`` when sharded: its own policy (row widths per step) prices with
-timings too and is not handed over.
+The first is chosen: its cost is small and counted, and it cannot diverge by construction: the
+other ranks never price anything; a tree or a continuation travels with every token and parent it
+verifies, and a chain names its rows of the drafted block, which is the same on every rank (same
+inputs, same rows, the same number of candidates read, all sent before drafting). The batched
+engine (``dflash serve`` with several requests) still verifies with ``fixed`` when sharded: its
+own policy (row widths per step) prices with timings too and is not handed over.
 """
 
 from __future__ import annotations

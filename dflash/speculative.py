@@ -637,6 +637,9 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
             if token in request.stop_ids and pipelined and more:
                 state.fed.append(token)  # the queued pass fed it
                 state.commit_taps(next_taps)
+                # Finished here, not left running past the generation's end: a sharded target's
+                # next collective outside this stream would otherwise pair with one of its own.
+                mx.eval(next_logits, next_taps)
             break
         if not pipelined:
             next_logits, next_taps = step(token)

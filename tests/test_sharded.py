@@ -320,10 +320,13 @@ def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
         for own in ({"min_confidence": 0.5}, {"policy": "auto"}, {"policy": "tree"}):
             alone = client.chat.completions.create(**hello, extra_body=own)
             assert alone.choices[0].message.content == hello_answer, own
+        # Seeded: the batch's, and auto's alone without lookups (with them, the earlier
+        # requests' text in the scope's index is a continuation the next request may verify,
+        # which changes the draws of a cycle, as on one process).
+        auto = {"policy": "auto", "lookup": False}
         sampled = [client.chat.completions.create(**{**hello, "temperature": 0.9, "seed": 3},
                                                   extra_body=own)
-                   .choices[0].message.content for own in ({}, {}, {"policy": "auto"},
-                                                           {"policy": "auto"})]
+                   .choices[0].message.content for own in ({}, {}, auto, auto)]
         assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
         # A client that leaves mid-stream stops the generation on both ranks at the same cycle:
         # the next request is answered, and alike.
@@ -585,6 +588,24 @@ def test_followers_plan_what_rank_0_plans():
     assert agreed(fixed, wire.end(False)) is fixed
 
 
+def test_a_sharded_batch_verifies_with_fixed(tmp_path, monkeypatch):
+    """The batched engine's own policy prices its row widths with this rank's timings: on a
+    sharded target a batch refuses ``auto`` (the server's sharded batch verifies with fixed)."""
+    import tiny_models
+
+    from dflash import batch
+    from dflash.errors import GenerationConfigError
+    from dflash.pair import load_pair
+
+    target = tiny_models.write_target(tmp_path / "target", "qwen3")
+    pair = load_pair(target, tiny_models.write_drafter(tmp_path / "draft", target, taps=(0, 2)))
+    monkeypatch.setattr(batch, "shard_count", lambda parts: 2)
+    with pytest.raises(GenerationConfigError, match="policy='auto': a batch on a target sharded"):
+        batch.BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=4)
+    batch.BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=4, policy="fixed")
+    batch.BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=1)  # one at a time
+
+
 def test_engine_calls_cross_to_the_followers_unchanged():
     from dflash import distributed
     from dflash.ranks import Ranks
@@ -597,6 +618,10 @@ def test_engine_calls_cross_to_the_followers_unchanged():
     assert distributed.call_to_followers(Ranks(), {"a": 1}) is None
     assert distributed.call_from_main(Ranks()) is None
     assert distributed.other_ranks(Ranks(0, 2)) == "rank 1"
+    # one rank: rank 0's values, padded, no collective
+    assert Ranks().ints_from_main(np.array([3, -1]), 4).tolist() == [3, -1, 0, 0]
+    with pytest.raises(ValueError, match="at most width=1"):
+        Ranks().ints_from_main(np.array([3, -1]), 1)
     assert distributed.other_ranks(Ranks(0, 4)) == "one of ranks 1-3"
 
 
