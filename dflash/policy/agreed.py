@@ -17,11 +17,13 @@ array (:data:`WIDTH`, see :func:`encode`) summed over the ranks, the others addi
 * in a plain stretch, one per step at which the context offers a continuation: whether to end the
   stretch and verify it (no continuation: no message, every rank goes on).
 
-Plans carry everything a rank verifies (tokens, tree parents), not what it would recompute, so
-the ranks agree even where their calibrations or memories differ; the drafted block itself is the
-same on every rank (its inputs are), which is why "``rows`` rows, ``k`` candidates" suffices
-before drafting. Policies whose plans depend on nothing rank-local (``fixed``, ``confidence``)
-are not wrapped (:func:`agreed`).
+Trees and continuations carry everything a rank verifies (tokens, tree parents), not what it
+would recompute, so the ranks agree even where their calibrations or memories differ; a chain
+names rows of the drafted block, which is the same on every rank (its inputs are), which is also
+why "``rows`` rows, ``k`` candidates" suffices before drafting. The engine asks the policy inside
+the generation's stream, so each message follows any pass queued there, on every rank alike.
+Policies whose plans depend on nothing rank-local (``fixed``, ``confidence``) are not wrapped
+(:func:`agreed`).
 """
 
 from __future__ import annotations
