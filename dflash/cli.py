@@ -53,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the built-in SmolLM2-135M-Instruct)")
     g.add_argument("--draft", "-d", default=None,
                    help="DFlash drafter folder or repo id (default: the built-in drafter)")
+    g.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the target by layers (mlx-lm's "
+                        "pipeline-parallel; qwen3_5) instead of tensor-parallel")
 
 
 def add_draft_window_arg(p: argparse.ArgumentParser) -> None:
@@ -955,9 +958,10 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{PROG} {args.command}"
     debug = env_flag("DFLASH_DEBUG")
     if args.command in SHARDED_COMMANDS:  # under mlx.launch: rank 0 prints, the others fail aloud
-        from .distributed import quiet_other_ranks
+        from .distributed import choose_pipeline, quiet_other_ranks
 
         rank = quiet_other_ranks()
+        choose_pipeline(getattr(args, "pipeline", False))
         name = f"{name} (rank {rank})" if rank else name
     try:
         configure()  # before any command imports mlx.core: OpenBLAS is bound as MLX loads

@@ -443,6 +443,8 @@ def cost_key(parts, draft, kv=None) -> str:
     ranks = shard_count(parts)  # a sharded target's passes cost per rank count
     if ranks > 1:
         desc["ranks"] = ranks
+    if getattr(parts, "stage", None) is not None:  # split by layers: passes cost otherwise
+        desc["split"] = "layers"
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 

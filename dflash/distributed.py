@@ -6,14 +6,21 @@ model class's ``shard()``: llama, qwen3 and qwen3_5; nothing here splits a weigh
 whole drafter. Started without it (or with one rank) everything runs unsharded, as always; a launch
 of one rank says so once.
 
-Why tensor-parallel and not pipeline: the drafter reads the outputs of chosen target layers. Under
-tensor parallelism every decoder layer ends with an all-sum (its ``o_proj``/``down_proj``/
-``out_proj`` are "sharded-to-all"), so the hidden state after each layer is the full one and the
-same on every rank: dflash's own layer walk (:func:`dflash.target.forward`) taps it unchanged, the
-verify pass, acceptance and roll-back (GatedDeltaNet states included: each rank replays its own
-heads' recurrence) run identically everywhere. Under mlx-lm's pipeline split a rank holds only its
-stage's layers, so the taps of the other stages would need extra sends each pass and dflash's walk
-would have to take mlx-lm's send/recv schedule; that is not built (:func:`check_shardable` says so).
+Tensor-parallel by default: the drafter reads the outputs of chosen target layers. Under tensor
+parallelism every decoder layer ends with an all-sum (its ``o_proj``/``down_proj``/``out_proj``
+are "sharded-to-all"), so the hidden state after each layer is the full one and the same on every
+rank: dflash's own layer walk (:func:`dflash.target.forward`) taps it unchanged, the verify pass,
+acceptance and roll-back (GatedDeltaNet states included: each rank replays its own heads'
+recurrence) run identically everywhere.
+
+Pipeline-parallel on request (``--pipeline``; qwen3_5, the family whose mlx-lm class has both
+splits and whose layers dflash's walk runs): mlx-lm's ``sharded_load(pipeline_group=...)`` gives
+each rank a stage of consecutive layers. The walk then runs the stage in mlx-lm's send/receive
+schedule and folds the taps each stage holds into the all-gather mlx-lm ends a pass with
+(:func:`dflash.target._walk`), so every rank still leaves each pass with the same final hidden
+state and taps, and everything after the pass (drafting, acceptance, plans) is as under tensor
+parallelism; caches are the stage's own and roll back locally. It costs ``N - 1`` hops and one
+all-gather a pass instead of ``2 L`` all-sums, but the stages run one after another.
 
 Why the drafter runs on every rank: its block pass is small (one or a few layers over the block's
 rows), and given identical inputs (the tapped hidden states and tokens, identical on every rank) it
@@ -69,6 +76,9 @@ from .ranks import Ranks, init_ranks
 
 # mlx-lm model modules whose tensor-parallel shard() dflash's layer walk runs unchanged.
 TENSOR_PARALLEL = ("llama", "qwen3", "qwen3_5")
+# ... and those whose pipeline() split it runs by stages (qwen3_next splits by layers only, but
+# its GatedDeltaNet, in_proj_qkvz, is not the one dflash's walk records and rolls back).
+PIPELINE_PARALLEL = ("qwen3_5",)
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # Fingerprint reads of each checkpoint file: its head and tail and evenly spaced chunks between.
 _CHUNK = 1 << 20
@@ -124,20 +134,25 @@ def model_family(path: str | Path) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def check_shardable(path: str | Path, size: int) -> None:
-    """Raise ``UnsupportedTargetError`` naming the family or the head count when mlx-lm cannot
-    split the target at ``path`` over ``size`` ranks the way dflash runs it (tensor-parallel)."""
+def check_shardable(path: str | Path, size: int, pipeline: bool = False) -> None:
+    """Raise ``UnsupportedTargetError`` naming the family or the count when mlx-lm cannot split
+    the target at ``path`` over ``size`` ranks the way dflash runs it (tensor-parallel; with
+    ``pipeline``, by layers)."""
     from mlx_lm.utils import load_config
 
     family = model_family(path)
     config = _text_config(load_config(Path(path)))
+    if pipeline:
+        check_pipeline(path, family, config, size)
+        return
     supported = ", ".join(TENSOR_PARALLEL)
     if family not in TENSOR_PARALLEL:
+        by_layers = (f"; {family} splits by layers with --pipeline"
+                     if family in PIPELINE_PARALLEL else
+                     f"; by layers (--pipeline): {', '.join(PIPELINE_PARALLEL)}")
         raise UnsupportedTargetError(
             f"--model {path}: model family {family!r} cannot be sharded for speculative decoding; "
-            f"supported: {supported} (mlx-lm's tensor-parallel sharding; mlx-lm's "
-            "pipeline-parallel split is not supported: the drafter reads hidden states of "
-            "layers every rank must hold)")
+            f"supported: {supported} (mlx-lm's tensor-parallel sharding){by_layers}")
     counts = {"num_attention_heads": config.get("num_attention_heads"),
               "intermediate_size": config.get("intermediate_size")}
     kv = config.get("num_key_value_heads") or config.get("num_attention_heads")
@@ -160,18 +175,55 @@ def check_shardable(path: str | Path, size: int) -> None:
                 f"(supported: {supported} with every split count divisible by the rank count)")
 
 
-def load_target(path: str | Path, ranks: Ranks) -> tuple:
+def check_pipeline(path: str | Path, family: str, config: dict, size: int) -> None:
+    """``UnsupportedTargetError`` naming what stops mlx-lm's split by layers of ``path`` over
+    ``size`` ranks from running under dflash: the family, too few layers, or a checkpoint
+    without the index ``sharded_load`` reads each stage's files from."""
+    if family not in PIPELINE_PARALLEL:
+        raise UnsupportedTargetError(
+            f"--model {path}: model family {family!r} cannot be split by layers (--pipeline) for "
+            f"speculative decoding; supported: {', '.join(PIPELINE_PARALLEL)} (mlx-lm's pipeline "
+            "split with a GatedDeltaNet dflash rolls back; qwen3_next's is another kind)")
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and layers < size:
+        raise UnsupportedTargetError(
+            f"--model {path}: num_hidden_layers={layers} cannot be split by layers over {size} "
+            "ranks (mlx-lm's pipeline split needs at least one layer per rank)")
+    if Path(path).is_dir() and not (Path(path) / "model.safetensors.index.json").is_file():
+        raise UnsupportedTargetError(
+            f"--model {path}: no model.safetensors.index.json; mlx-lm's pipeline split "
+            "(--pipeline) reads each stage's weight files from it (mlx_lm.convert writes one)")
+
+
+def load_target(path: str | Path, ranks: Ranks, pipeline: bool = False) -> tuple:
     """The target at ``path`` sharded over ``ranks`` by mlx-lm's ``sharded_load`` (tensor
-    parallel), ready for this machine's backend, and its tokenizer."""
+    parallel; with ``pipeline``, by layers), ready for this machine's backend, and its
+    tokenizer."""
     from mlx_lm.utils import sharded_load
 
     from . import backend
 
     backend.configure()
-    check_shardable(path, ranks.size)
-    model, tokenizer = sharded_load(str(path), tensor_group=ranks.group)
+    check_shardable(path, ranks.size, pipeline)
+    if pipeline:
+        model, tokenizer = sharded_load(str(path), pipeline_group=ranks.group)
+    else:
+        model, tokenizer = sharded_load(str(path), tensor_group=ranks.group)
     backend.prepare_for_backend(model)
     return model, tokenizer
+
+
+def _stage_ranks(model) -> tuple[int, int] | None:
+    """This rank and the rank count of a target split by layers (``model``: mlx-lm's model or
+    dflash's ``TargetParts``); ``None``: not split by layers."""
+    stage = getattr(model, "stage", None)
+    if stage is not None and hasattr(stage, "size"):
+        return int(stage.rank), int(stage.size)
+    inner = getattr(model, "model", None)
+    size = getattr(inner, "pipeline_size", 1)
+    if isinstance(size, int) and size > 1:
+        return int(inner.pipeline_rank), size
+    return None
 
 
 def _shard_group(model):
@@ -187,13 +239,22 @@ def _shard_group(model):
 
 def shard_count(model) -> int:
     """Over how many ranks mlx-lm split ``model`` (1: not split)."""
+    staged = _stage_ranks(model)
+    if staged is not None:
+        return staged[1]
     group = _shard_group(model)
     return 1 if group is None else int(group.size())
 
 
 def model_ranks(model) -> Ranks:
     """The ranks ``model`` is split over, this process's place among them (one rank of one:
-    not split). What a generation's decisions must agree over: the group its passes reduce in."""
+    not split). What a generation's decisions must agree over: the group its passes reduce in
+    (split by layers: the global group, over which mlx-lm's stages send and gather)."""
+    staged = _stage_ranks(model)
+    if staged is not None:
+        import mlx.core as mx
+
+        return Ranks(staged[0], staged[1], mx.distributed.init())
     group = _shard_group(model)
     if group is None or group.size() <= 1:
         return Ranks()
@@ -401,6 +462,22 @@ def error_stream():
     return sys.__stderr__ if isinstance(sys.stderr, _Discard) else sys.stderr
 
 
-def describe(ranks: Ranks) -> str:
+def describe(ranks: Ranks, pipeline: bool = False) -> str:
     """One line for the log: how the target is split."""
-    return f"target sharded tensor-parallel over {ranks.size} ranks (this is rank {ranks.rank})"
+    how = "pipeline-parallel (by layers)" if pipeline else "tensor-parallel"
+    return f"target sharded {how} over {ranks.size} ranks (this is rank {ranks.rank})"
+
+
+# The split ``dflash`` commands load a sharded target with when their caller does not say
+# (the command line's ``--pipeline``).
+_split = {"pipeline": False}
+
+
+def choose_pipeline(pipeline: bool) -> None:
+    """Make this process load sharded targets by layers (``True``) or tensor-parallel."""
+    _split["pipeline"] = bool(pipeline)
+
+
+def pipeline_chosen() -> bool:
+    """Whether sharded targets load by layers when the caller does not say (:func:`choose_pipeline`)."""
+    return _split["pipeline"]

@@ -86,10 +86,12 @@ def default_paths(model: str | None, draft: str | None) -> tuple[str, str]:
 
 
 def load_pair(model: str | None = None, draft: str | None = None,
-              log: Callable[[str], None] | None = None) -> Pair:
+              log: Callable[[str], None] | None = None, pipeline: bool | None = None) -> Pair:
     """Load target + drafter (the built-in pair for what is ``None``) and check they fit.
 
-    ``log`` receives progress lines (``None``: silent).
+    ``log`` receives progress lines (``None``: silent). Under ``mlx.launch`` the target is
+    sharded over the ranks, tensor-parallel or, with ``pipeline`` (``None``: as the command line
+    chose, :func:`dflash.distributed.pipeline_chosen`), by layers.
     """
     from . import distributed
     from .drafter import load_draft
@@ -102,13 +104,15 @@ def load_pair(model: str | None = None, draft: str | None = None,
     say = log or (lambda message: None)
     tic = time.perf_counter()
     ranks = distributed.join()  # under mlx.launch: the target sharded over the ranks
+    if pipeline is None:
+        pipeline = distributed.pipeline_chosen()
     if ranks.distributed:
         distributed.check_same_files(ranks, model, draft)
-        distributed.check_shardable(model, ranks.size)
-        say(distributed.describe(ranks))
+        distributed.check_shardable(model, ranks.size, pipeline)
+        say(distributed.describe(ranks, pipeline))
     say(f"loading target {model} ...")
     try:
-        target, tokenizer = (distributed.load_target(model, ranks) if ranks.distributed
+        target, tokenizer = (distributed.load_target(model, ranks, pipeline) if ranks.distributed
                              else load(model))
     except Exception as e:  # mlx-lm raises many kinds; the user needs the option and the reason
         raise ModelLoadError(f"--model {model}: cannot load it as an mlx-lm model "

@@ -9,6 +9,13 @@ recurrent state that cannot be trimmed, so their verify pass records its per-ste
 state it started from; roll-back replays the accepted prefix of the recurrence from that state and
 takes the conv window from the recorded conv input.
 
+A target split by layers (mlx-lm's pipeline-parallel ``sharded_load``, qwen3_5): each rank holds
+one stage, a run of consecutive layers, and its caches for those only. The walk runs the stage's
+layers with mlx-lm's schedule around them (receive the hidden state from the previous stage, send
+the result to the next, keep the send in the caches' graph) and ends with the one all-gather
+mlx-lm ends with, into which every stage folds the taps it holds (:class:`Stage`), so every rank
+leaves the pass with the final hidden state and every tap at no extra collective.
+
 Quantized KV caches (mlx-lm's ``kv_bits``): the promise is mlx-lm's own decoding with the same KV
 settings, so the cache must switch from float to quantized at the offset where mlx-lm's
 ``maybe_quantize_kv_cache`` switches it (after the first forward call whose end reaches
@@ -53,9 +60,57 @@ def load_target(path_or_hf_repo: str, tokenizer_config: dict | None = None, **kw
     return model, tokenizer
 
 
+@dataclass(frozen=True)
+class Stage:
+    """This rank's share of a target mlx-lm split by layers (pipeline-parallel): layers
+    ``starts[rank]`` up to the next stage's start, of ``total``. mlx-lm splits in reverse: rank
+    ``size - 1`` holds the first layers, rank 0 the last, and a stage receives from ``rank + 1``
+    and sends to ``rank - 1``. ``starts`` holds every rank's first layer (where each tap lives)."""
+
+    rank: int
+    size: int
+    starts: tuple[int, ...]
+    total: int
+    group: object
+
+    @property
+    def start(self) -> int:
+        return self.starts[self.rank]
+
+    def owner(self, layer: int) -> int:
+        """The rank whose stage holds ``layer``."""
+        return next(r for r in range(self.size) if self.starts[r] <= layer
+                    and (r == 0 or layer < self.starts[r - 1]))
+
+
+def pipeline_starts(size: int, layers: int) -> tuple[int, ...]:
+    """Each rank's first layer under mlx-lm's default pipeline split of ``layers`` over
+    ``size`` ranks (what ``sharded_load`` makes), read from mlx-lm's own ``pipeline()``."""
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    class _Rank:  # the two methods pipeline() asks a group for
+        def __init__(self, rank: int) -> None:
+            self._rank = rank
+
+        def rank(self) -> int:
+            return self._rank
+
+        def size(self) -> int:
+            return size
+
+    starts = []
+    for rank in range(size):
+        probe = PipelineMixin()
+        probe.layers = [None] * layers
+        probe.pipeline(_Rank(rank))
+        starts.append(probe.start_idx)
+    return tuple(starts)
+
+
 @dataclass
 class TargetParts:
-    """The pieces of an mlx-lm model that speculative decoding needs."""
+    """The pieces of an mlx-lm model that speculative decoding needs. Split by layers
+    (``stage``), ``layers`` are this rank's stage's, in the order of its caches."""
 
     model: nn.Module
     embed_tokens: nn.Module
@@ -65,10 +120,17 @@ class TargetParts:
     sliding_window: int | None = None
     head_group: object | None = None  # the ranks the head's vocabulary is split over, if any
     max_positions: int | None = None  # positions the target reads (None: not stated)
+    stage: Stage | None = None  # split by layers: this rank's stage (None: every layer here)
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """Decoder layers of the whole target (every stage's)."""
+        return self.stage.total if self.stage is not None else len(self.layers)
+
+    @property
+    def first_layer(self) -> int:
+        """The target layer number of ``layers[0]``."""
+        return self.stage.start if self.stage is not None else 0
 
     @property
     def hidden_size(self) -> int:
@@ -118,7 +180,10 @@ def target_parts(model: nn.Module) -> TargetParts:
         raise UnsupportedTargetError(
             f"target {type(model).__module__}.{type(model).__name__}: cannot find "
             "embed_tokens/layers/norm to tap its decoder layers")
-    for i, layer in enumerate(inner.layers):
+    stage, layers = pipeline_stage(owner, inner), list(inner.layers)
+    if stage is not None:
+        layers = list(inner.pipeline_layers)
+    for i, layer in enumerate(layers, start=stage.start if stage is not None else 0):
         if hasattr(layer, "linear_attn") and not hasattr(layer.linear_attn, "in_proj_qkv"):
             raise UnsupportedTargetError(
                 f"target layer {i}: linear attention of type {type(layer.linear_attn).__name__} "
@@ -127,12 +192,30 @@ def target_parts(model: nn.Module) -> TargetParts:
             raise UnsupportedTargetError(f"target layer {i} ({type(layer).__name__}) has no "
                                          "attention this engine knows how to roll back")
     return TargetParts(
-        model=model, embed_tokens=inner.embed_tokens, layers=list(inner.layers), norm=inner.norm,
+        model=model, embed_tokens=inner.embed_tokens, layers=layers, norm=inner.norm,
         lm_head=getattr(owner, "lm_head", None),
         sliding_window=getattr(inner, "sliding_window", None),
         head_group=getattr(owner, "sharding_group", None) if hasattr(owner, "lm_head") else None,
-        max_positions=max_positions(model),
+        max_positions=max_positions(model), stage=stage,
     )
+
+
+def pipeline_stage(owner: nn.Module, inner: nn.Module) -> Stage | None:
+    """This rank's :class:`Stage` of a model mlx-lm split by layers (``None``: not split)."""
+    size = getattr(inner, "pipeline_size", 1)
+    if not isinstance(size, int) or size <= 1:
+        return None
+    total = getattr(getattr(owner, "args", None), "num_hidden_layers", None)
+    if not isinstance(total, int):
+        raise UnsupportedTargetError(
+            f"target {type(owner).__name__} is split by layers but states no num_hidden_layers")
+    rank, starts = int(inner.pipeline_rank), pipeline_starts(size, total)
+    if starts[rank] != inner.start_idx or \
+            inner.end_idx != (total if rank == 0 else starts[rank - 1]):
+        raise UnsupportedTargetError(
+            f"target split by layers at layers {inner.start_idx}-{inner.end_idx} on rank {rank}: "
+            "not mlx-lm's default split (sharded_load's), the only one the taps are read from")
+    return Stage(rank, size, starts, total, mx.distributed.init())
 
 
 # RoPE scalings that let a model read past the positions it was pre-trained on (mlx-lm's
@@ -460,21 +543,75 @@ def _forward(parts: TargetParts, tokens: mx.array, cache: list, tap_ids: list[in
     fa_mask = create_attention_mask(h, attn_cache)
     swa_mask = create_attention_mask(h, swa_cache, window_size=parts.sliding_window) \
         if swa_cache is not None else None
-    wanted = {i: None for i in tap_ids}
-    for i, (layer, c) in enumerate(zip(parts.layers, cache)):
+
+    def run(j: int, layer: nn.Module, c, h: mx.array) -> mx.array:
         if hasattr(layer, "linear_attn"):
-            r = _gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), c, trace, i)
+            r = _gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), c, trace, j)
             h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        else:
-            h = layer(h, swa_mask if getattr(layer, "use_sliding", False) else fa_mask, cache=c)
-        if i in wanted:
-            wanted[i] = h
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+        return layer(h, swa_mask if getattr(layer, "use_sliding", False) else fa_mask, cache=c)
+
+    h, taps = _walk(parts, h, cache, tap_ids, run)
     if logits_rows is not None:
         h = h[:, logits_rows]
-    logits = parts.head(parts.norm(h))
-    taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
-    return logits, taps
+    return parts.head(parts.norm(h)), taps
+
+
+def _gathered(cache: list) -> list:
+    """The array of a stage's last cache that holds the previous pass's all-gather (``_walk``
+    attaches it), if the cache has one yet."""
+    if not cache:
+        return []
+    last = cache[-1]
+    held = last.keys if hasattr(last, "keys") else last[0]
+    return [held] if isinstance(held, mx.array) else []
+
+
+def _walk(parts: TargetParts, h: mx.array, cache: list, tap_ids: list[int], run
+          ) -> tuple[mx.array, mx.array | None]:
+    """The final hidden state and the taps (concatenated in ``tap_ids`` order) after this rank's
+    layers, ``run(j, layer, cache, h)`` being the ``j``-th of them. Split by layers, the stage
+    works in mlx-lm's schedule (its pipeline forward, e.g. ``Qwen3_5TextModel.__call__``):
+    receive the hidden state from the previous stage, run the stage, send the result on (kept in
+    the graph of the stage's last cache), then one all-gather; every rank gets rank 0's hidden
+    state (the last stage's) and each tap from the stage that holds it, folded into that
+    all-gather."""
+    stage, first = parts.stage, parts.first_layer
+    if stage is not None and stage.rank < stage.size - 1:
+        # A receive depends on nothing in the graph, so an evaluation holding this pass and the
+        # previous one (a pass queued on the last one's lazy token) could run it before the
+        # previous all-gather, which the sending stage runs first: a deadlock. Queue what this
+        # pass follows (its tokens, the previous all-gather held by the last cache) before it.
+        mx.async_eval(h, *_gathered(cache))
+        h = mx.distributed.recv_like(h, stage.rank + 1, group=stage.group)
+    wanted = {}
+    for j, (layer, c) in enumerate(zip(parts.layers, cache)):
+        h = run(j, layer, c, h)
+        if first + j in tap_ids:
+            wanted[first + j] = h
+    if stage is None:
+        return h, mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
+    if stage.rank != 0:
+        h = mx.distributed.send(h, stage.rank - 1, group=stage.group)
+    # Each rank's [hidden, tap 1, tap 2, ...], its own taps filled and the others' zeros.
+    mine = mx.concatenate([h] + [wanted.get(i, mx.zeros_like(h)) for i in tap_ids], axis=-1)
+    every = mx.distributed.all_gather(mine, group=stage.group)
+    # mlx-lm keeps the send in the graph of the stage's last cache; here the all-gather too, so
+    # whatever of the pass a rank evaluates first (its caches, logits or taps) runs every
+    # collective of the pass, in the same order on every rank.
+    last = cache[-1]
+    if not hasattr(last, "keys"):
+        last[0] = mx.depends(last[0], every)
+    elif isinstance(last.keys, mx.array):  # a quantized cache's keys are a tuple: left as is
+        last.keys = mx.depends(last.keys, every)
+    rows, width = h.shape[0], h.shape[-1]
+
+    def block(rank: int, k: int) -> mx.array:
+        return every[rank * rows:(rank + 1) * rows, ..., k * width:(k + 1) * width]
+
+    taps = mx.concatenate([block(stage.owner(i), 1 + t) for t, i in enumerate(tap_ids)],
+                          axis=-1) if tap_ids else None
+    return block(0, 0), taps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,16 +758,14 @@ def tree_forward(parts: TargetParts, tree: DraftTree, cache: list,
         key_pos = mx.concatenate([mx.arange(start), positions])
         swa = full & ((positions[:, None] - key_pos[None]) < window)
     h = parts.embed(mx.array(tree.tokens)[None])
-    wanted = {i: None for i in tap_ids}
-    for i, (layer, c) in enumerate(zip(parts.layers, cache)):
+
+    def run(j: int, layer: nn.Module, c: KVCache, h: mx.array) -> mx.array:
         mask = swa if getattr(layer, "use_sliding", False) else full
         h = h + _tree_attention(layer.self_attn, layer.input_layernorm(h), positions, mask, c)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if i in wanted:
-            wanted[i] = h
-    logits = parts.head(parts.norm(h))
-    taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
-    return logits, taps
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    h, taps = _walk(parts, h, cache, tap_ids, run)
+    return parts.head(parts.norm(h)), taps
 
 
 def commit_tree_path(cache: list, start: int, keep: list[int], fed: int) -> None:

@@ -1,0 +1,214 @@
+"""A target split by layers over two ranks (mlx-lm's pipeline-parallel ``sharded_load``, qwen3_5),
+on localhost under ``mlx.launch -n 2 --backend ring``.
+
+As in ``test_sharded.py``, both ranks run a worker of this file and the reference for greedy output
+is mlx-lm's own generation of the same split model in the same launch. A split by layers does
+not reorder any float sum (each layer runs whole on one rank), so the taps must also equal one
+unsplit process's. The checks that need no launch (what ``--pipeline`` accepts, the stages'
+layout) run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sharded import PROMPT, launch, untied_hybrid  # noqa: E402
+
+
+def indexed(target: Path, files: int = 2) -> Path:
+    """Rewrite the fixture at ``target`` as an indexed checkpoint of ``files`` files split by
+    layer (what ``mlx_lm.convert`` writes for a large model, and what mlx-lm's pipeline split
+    reads each stage's files from)."""
+    import re
+
+    import mlx.core as mx
+
+    weights = mx.load(str(target / "model.safetensors"))
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
+    shards: list[dict] = [{} for _ in names]
+    weight_map = {}
+    for key, value in weights.items():
+        found = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+        part = 0 if found is None else min(int(found.group(1)) * files // layers, files - 1)
+        shards[part][key] = value
+        weight_map[key] = names[part]
+    (target / "model.safetensors").unlink()
+    for name, shard in zip(names, shards):
+        mx.save_safetensors(str(target / name), shard)
+    (target / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return target
+
+
+@pytest.fixture(scope="module")
+def pipeline_pair(tmp_path_factory):
+    """The untied hybrid fixture (qwen3_5, 4 layers) as an indexed checkpoint, and a drafter
+    tapping layers 0 and 2, which live on different stages."""
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("pipeline")
+    target = indexed(untied_hybrid(root / "target"))
+    draft = tiny_models.write_drafter(root / "draft", target, taps=(0, 2))
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(pipeline_pair, tmp_path_factory):
+    target, draft = pipeline_pair
+    out = tmp_path_factory.mktemp("pipeline-runs") / "worker"
+    run = launch(__file__, "worker", str(target), str(draft), str(out))
+    assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file() for r in range(2)), \
+        run.stderr[-3000:]
+    return [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_stages_match_mlx_lm_pipeline(pipeline_runs):
+    for r, got in enumerate(pipeline_runs):
+        assert got["size"] == 2 and got["rank"] == r
+        assert got["stage"] == [[2, 0], 4], "not mlx-lm's split of 4 layers over 2 ranks"
+        assert got["taps_equal"], "tapped hidden states differ between the ranks"
+        assert got["taps_unsplit"], "taps differ from one unsplit process's"
+        assert got["dflash_greedy"] == got["mlx_lm_greedy"], f"rank {r}"
+        assert got["dflash_penalised"] == got["mlx_lm_penalised"], f"rank {r}"
+        assert got["dflash_fixed"] == got["mlx_lm_penalised"], f"rank {r}"
+        assert got["dflash_long"] == got["mlx_lm_long"], f"rank {r}"
+        assert got["sampled"][0] == got["sampled"][1], "a seeded sampled run did not reproduce"
+        assert got["ranks_agree"], "the ranks generated different tokens"
+        assert got["plans_agree"], "the ranks verified different plans"
+    assert pipeline_runs[0]["dflash_greedy"] == pipeline_runs[1]["dflash_greedy"]
+    assert pipeline_runs[0]["sampled"] == pipeline_runs[1]["sampled"]
+    assert pipeline_runs[0]["plans"] == pipeline_runs[1]["plans"]
+
+
+@pytest.mark.slow
+def test_generate_command_with_pipeline(pipeline_pair, pipeline_runs):
+    """``dflash generate --pipeline`` on two ranks: one JSON answer, mlx-lm's tokens."""
+    target, draft = pipeline_pair
+    run = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
+                 "--prompt", PROMPT, "--no-chat-template", "--max-tokens", "24", "--json",
+                 "--no-speedup-estimate", "--pipeline")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, run.stdout
+    assert json.loads(lines[0])["tokens"] == pipeline_runs[0]["mlx_lm_greedy"][:24]
+    assert run.stderr.count("sharded pipeline-parallel (by layers) over 2 ranks") == 1, run.stderr
+
+
+def test_pipeline_checks_name_what_is_missing(tmp_path):
+    from dflash import distributed
+    from dflash.errors import UnsupportedTargetError
+
+    def folder(name, **config):
+        p = tmp_path / name
+        p.mkdir()
+        (p / "config.json").write_text(json.dumps(config))
+        return p
+
+    dense = folder("dense", model_type="qwen3", num_attention_heads=4, num_key_value_heads=2,
+                   num_hidden_layers=4, hidden_size=64, intermediate_size=128)
+    with pytest.raises(UnsupportedTargetError, match="'qwen3' cannot be split by layers.*qwen3_5"):
+        distributed.check_shardable(dense, 2, pipeline=True)
+    hybrid = folder("hybrid", model_type="qwen3_5", num_hidden_layers=4, num_attention_heads=4,
+                    hidden_size=64, intermediate_size=128)
+    with pytest.raises(UnsupportedTargetError, match="model.safetensors.index.json"):
+        distributed.check_shardable(hybrid, 2, pipeline=True)
+    (hybrid / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    distributed.check_shardable(hybrid, 2, pipeline=True)
+    distributed.check_shardable(hybrid, 4, pipeline=True)
+    with pytest.raises(UnsupportedTargetError, match="num_hidden_layers=4 cannot be split.* 8 "):
+        distributed.check_shardable(hybrid, 8, pipeline=True)
+    nxt = folder("next", model_type="qwen3_next", num_hidden_layers=4)
+    with pytest.raises(UnsupportedTargetError, match="'qwen3_next' cannot be sharded.*--pipeline"):
+        distributed.check_shardable(nxt, 2)
+
+
+def test_stage_starts_follow_mlx_lm():
+    """Every rank's first layer, read from mlx-lm's own split: in reverse, the low ranks get the
+    extra layers; each layer's tap comes from the one stage that holds it."""
+    from dflash.target import Stage, pipeline_starts
+
+    assert pipeline_starts(2, 4) == (2, 0)
+    assert pipeline_starts(3, 10) == (6, 3, 0)
+    stage = Stage(0, 3, pipeline_starts(3, 10), 10, None)
+    assert [stage.owner(i) for i in range(10)] == [2, 2, 2, 1, 1, 1, 0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker both ranks run
+
+
+def _worker(target: str, draft: str, out: str) -> None:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash import distributed
+    from dflash.cli import build_parser, encode
+    from dflash.pair import load_pair
+    from dflash.speculative import stream_generate
+    from dflash.target import forward, load_target, make_cache, target_parts
+
+    ranks = distributed.join()
+    pair = load_pair(target, draft, pipeline=True)
+    args = build_parser().parse_args(["generate", "--prompt", PROMPT, "--no-chat-template"])
+    ids = encode(pair, {"prompt": PROMPT}, args)
+    parts = target_parts(pair.model)
+
+    def same_everywhere(values) -> bool:
+        mine = mx.array(np.asarray(values, dtype=np.float32).reshape(1, -1))
+        every = np.array(mx.distributed.all_gather(mine, group=ranks.group))
+        return bool((every == every[0]).all())
+
+    def mlx_lm(**settings) -> list[int]:
+        tokens = [int(t) for t, _ in generate_step(mx.array(ids), pair.model, **settings)]
+        mx.synchronize(generation_stream)  # its queued pass ends before the next collective
+        return tokens
+
+    tap_ids = pair.draft.target_layer_ids
+    _, taps = forward(parts, mx.array(ids)[None], make_cache(parts), tap_ids)
+    whole = target_parts(load_target(target)[0])  # every layer in this process
+    _, taps_whole = forward(whole, mx.array(ids)[None], make_cache(whole), tap_ids)
+    n = 24
+    reference = mlx_lm(max_tokens=n)
+    penalised = mlx_lm(max_tokens=n,
+                       logits_processors=make_logits_processors(repetition_penalty=1.5))
+    long_reference = mlx_lm(max_tokens=4 * n)
+    plans = []
+
+    def run(**settings) -> list[int]:
+        settings = distributed.agreed_settings(ranks, {"max_tokens": n, **settings})
+        tokens, last = [], None
+        for last in stream_generate(pair.model, pair.draft, pair.tokenizer, ids, **settings):
+            tokens += last.tokens
+        plans.extend([last.cycles, last.plain_steps, last.tree_cycles, last.lookup_cycles,
+                      last.verified_tokens])
+        return tokens
+
+    greedy = run()  # the default policy: auto, rank 0 plans, rank 1 takes its plans
+    greedy_penalised = run(repetition_penalty=1.5)
+    fixed = run(policy="fixed", repetition_penalty=1.5)
+    long = run(max_tokens=4 * n)
+    sampled = [run(temperature=0.8, seed=7), run(temperature=0.8, seed=7)]
+    result = {"rank": ranks.rank, "size": ranks.size,
+              "stage": [list(parts.stage.starts), parts.stage.total],
+              "taps_equal": same_everywhere(taps),
+              "taps_unsplit": bool(np.array_equal(np.array(taps), np.array(taps_whole))),
+              "mlx_lm_greedy": reference, "dflash_greedy": greedy, "mlx_lm_penalised": penalised,
+              "dflash_penalised": greedy_penalised, "dflash_fixed": fixed,
+              "mlx_lm_long": long_reference, "dflash_long": long, "sampled": sampled,
+              "plans": plans, "plans_agree": same_everywhere(plans),
+              "ranks_agree": same_everywhere(greedy + long + sampled[0])}
+    Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # the launcher passes no PYTHONPATH
+    _worker(*sys.argv[2:5])
