@@ -13,7 +13,7 @@ import numpy as np
 
 from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
 from .cost_model import PassCosts, cost_model
-from .distributed import model_ranks
+from .distributed import model_ranks, shard_count
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match, continuations
@@ -637,9 +637,11 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
             if token in request.stop_ids and pipelined and more:
                 state.fed.append(token)  # the queued pass fed it
                 state.commit_taps(next_taps)
-                # Finished here, not left running past the generation's end: a sharded target's
-                # next collective outside this stream would otherwise pair with one of its own.
-                mx.eval(next_logits, next_taps)
+                if shard_count(parts) > 1:
+                    # Finished here, not left running past the generation's end: a sharded
+                    # target's next collective outside this stream would otherwise pair with one
+                    # of its own. (One process lets it finish while the caller reads the output.)
+                    mx.eval(next_logits, next_taps)
             break
         if not pipelined:
             next_logits, next_taps = step(token)

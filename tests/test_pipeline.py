@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_sharded import PROMPT, launch, untied_hybrid  # noqa: E402
+from test_sharded import PROMPT, config_folder, launch, untied_hybrid  # noqa: E402
 
 
 def indexed(target: Path, files: int = 2) -> Path:
@@ -107,10 +107,7 @@ def test_pipeline_checks_name_what_is_missing(tmp_path):
     from dflash.errors import UnsupportedTargetError
 
     def folder(name, **config):
-        p = tmp_path / name
-        p.mkdir()
-        (p / "config.json").write_text(json.dumps(config))
-        return p
+        return config_folder(tmp_path, name, **config)
 
     dense = folder("dense", model_type="qwen3", num_attention_heads=4, num_key_value_heads=2,
                    num_hidden_layers=4, hidden_size=64, intermediate_size=128)

@@ -404,15 +404,20 @@ def test_big_file_fingerprint_reads_samples(tmp_path):
     assert distributed.file_digest(big) != before  # the tail is read
 
 
+def config_folder(root: Path, name: str, **config) -> Path:
+    """A checkpoint folder holding only ``config.json`` (what the shardability checks read)."""
+    p = root / name
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps(config))
+    return p
+
+
 def test_unshardable_targets_are_named(tmp_path):
     from dflash import distributed
     from dflash.errors import UnsupportedTargetError
 
     def folder(name, **config):
-        p = tmp_path / name
-        p.mkdir()
-        (p / "config.json").write_text(json.dumps(config))
-        return p
+        return config_folder(tmp_path, name, **config)
 
     odd = folder("odd", model_type="llama", num_attention_heads=9, num_key_value_heads=3,
                  hidden_size=576, intermediate_size=1536)

@@ -99,7 +99,7 @@ class Server:
                  reasoning: str = "auto", keys: APIKeys | None = None,
                  kv: dict | None = None, keepalive: float = KEEPALIVE_SECONDS):
         self.worker = worker
-        self.keepalive = keepalive  # seconds between keepalive comments before the first output
+        self.keepalive = keepalive  # seconds between keepalives before the first output
         self.kv = kv or {}  # the target's KV cache settings, the same for every request
         self.keys = keys if keys is not None else APIKeys()
         self.pair = worker.pair
@@ -557,8 +557,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     from .metrics import Metrics
 
     # What every request runs with unless it says otherwise: checked once the pair is loaded.
-    served = {"block_size": block_size, **({} if kv is None else {
-        "kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": kv.start})}
+    kv_settings = None if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size,
+                                           "quantized_kv_start": kv.start}
+    served = {"block_size": block_size, **(kv_settings or {})}
     worker = Worker(pair_loader(model, draft, draft_window, quiet, served), Metrics(),
                     max_queue=max_queue, max_concurrency=max_concurrency,
                     max_context=max_context, block_size=block_size,
@@ -566,9 +567,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                     rank_timeout=rank_timeout).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
-                  reasoning=reasoning, keys=keys, keepalive=keepalive,
-                  kv=None if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size,
-                                              "quantized_kv_start": kv.start})
+                  reasoning=reasoning, keys=keys, keepalive=keepalive, kv=kv_settings)
 
 
 def sharded_ranks() -> Ranks | None:
