@@ -971,7 +971,7 @@ def run_trace_bench(trace, model: str | None = None, draft: str | None = None, *
 
     sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
     rows_per_block = pair.draft.block_size - 1
-    positions = getattr(getattr(pair.model, "args", None), "max_position_embeddings", None)
+    positions = pair.max_context  # RoPE scaling counted
 
     def dflash(ids, max_tokens, memory, index_=None, cache=None):
         return _run_dflash(pair, ids, max_tokens, block_size, sampling, 0, min_confidence, policy,

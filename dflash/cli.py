@@ -552,10 +552,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_concurrency_bench,
     )
 
-    if kv_kwargs(args) and (args.trace or args.tau or args.bound or args.concurrency
-                            or getattr(args, "context", None)):
-        raise CLIError("--kv-bits: only with the prompts benchmark (not with --trace, --tau, "
-                       "--bound, --concurrency or --context)", code=2)
+    if kv_kwargs(args) and (args.trace or args.tau or args.bound or args.concurrency):
+        raise CLIError("--kv-bits: only with the prompts and context benchmarks (not with "
+                       "--trace, --tau, --bound or --concurrency)", code=2)
     if args.trace is not None:
         return _bench_trace(args)
     if args.tau or args.bound:  # drafters side by side / what the drafter allows at most
@@ -617,7 +616,8 @@ def _bench_contexts(args: argparse.Namespace) -> int:
         lengths, pair=pair, prompts=args.prompts, max_tokens=args.max_tokens, limit=args.limit,
         say=log, lookup_off=True, repeats=args.repeats, block_sizes=args.block_size,
         chat_template=not args.no_chat_template, system=args.system, policy=args.policy,
-        tree_budget=args.tree_budget, min_confidence=args.min_confidence)
+        tree_budget=args.tree_budget, min_confidence=args.min_confidence,
+        kv=kv_kwargs(args))
     print(format_context_summary(result), flush=True)
     if args.out is not None:
         out = Path(args.out)

@@ -158,7 +158,7 @@ def run_context_bench(lengths: Sequence[int], *, pair, prompts, max_tokens: int,
     return {"config": {"contexts": list(lengths), "max_tokens": max_tokens,
                        "filler": f"pydoc of {', '.join(FILLER_MODULES)} "
                                  f"(Python {platform.python_version()})",
-                       "n_prompts": len(items)},
+                       "n_prompts": len(items), "kv": bench_kwargs.get("kv") or None},
             "rows": rows}
 
 

@@ -499,7 +499,7 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
             "target shapes, once; cached) ...")
     tic = time.perf_counter()
     most = max(rows) + PIPELINED_STEPS
-    limit = max_positions(parts)
+    limit = parts.max_positions  # RoPE scaling counted (dflash.target.max_positions)
     contexts = [c for c in contexts if limit is None or c + most <= limit] or [min(contexts)]
     verify_ms, step_ms, draft_at = [], [], []
     for context in contexts:
@@ -554,16 +554,6 @@ def measure(parts, draft, rows=ROWS, contexts=CONTEXTS, draft_rows=DRAFT_ROWS,
             f"{model.verify(16):.1f} ms; draft 16 rows "
             f"{model.draft(16):.1f} ms")
     return model
-
-
-def max_positions(parts) -> int | None:
-    """The positions the target reads (``max_position_embeddings``), if its config says."""
-    args = getattr(parts.model, "args", None)
-    value = getattr(args, "max_position_embeddings", None)
-    if value is None:
-        text = getattr(args, "text_config", None)
-        value = text.get("max_position_embeddings") if isinstance(text, dict) else None
-    return int(value) if value else None
 
 
 def calibration_dir() -> Path:

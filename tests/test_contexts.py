@@ -75,3 +75,4 @@ def test_a_context_past_the_targets_positions_is_refused_before_loading(tmp_path
     out = subprocess.run([sys.executable, "-m", "dflash", "bench", "--context", "4k,huge"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--context" in out.stderr and "huge" in out.stderr
+

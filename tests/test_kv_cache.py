@@ -447,3 +447,21 @@ def test_a_cache_that_never_converts_is_priced_as_float(kv_pair):
         generate(model, draft, tokenizer, prompt, max_tokens=8, kv_bits=8, kv_group_size=32,
                  quantized_kv_start=start)
         assert taught.observed > before, start
+
+
+@pytest.mark.slow
+def test_the_context_bench_takes_mlx_lms_quantized_kv_cache_on_both_sides(kv_pair, tmp_path):
+    from dflash.contexts import run_context_bench
+    from dflash.pair import Pair
+
+    model, tokenizer, draft = kv_pair("llama")
+    pair = Pair(model, tokenizer, draft, str(tmp_path / "target"), str(tmp_path / "draft"))
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    prompts = [{"id": "sea", "prompt": "Where do the boats come back to?"}]
+    result = run_context_bench([200], pair=pair, prompts=prompts, max_tokens=24,
+                               block_sizes="4", kv=kv)
+    assert result["config"]["kv"] == kv
+    row = result["rows"][0]
+    # Identical to mlx-lm's own decoding with the same cache settings, with and without
+    # continuations.
+    assert row["lookup"]["identical"] is True and row["no_lookup"]["identical"] is True
