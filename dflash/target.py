@@ -564,7 +564,23 @@ def _gathered(cache: list) -> list:
         return []
     last = cache[-1]
     held = last.keys if hasattr(last, "keys") else last[0]
+    if isinstance(held, (tuple, list)):  # a quantized cache: (data, scales, biases)
+        held = held[0] if held else None
     return [held] if isinstance(held, mx.array) else []
+
+
+def _hold(cache: list, collective: mx.array) -> None:
+    """Keep ``collective`` in the graph of the stage's last cache (its keys, or its first state
+    array), so evaluating the cache runs it: mlx-lm's way with a pipeline's send. A quantized
+    cache's keys are a tuple of arrays; the tuple stays a tuple."""
+    last = cache[-1]
+    if not hasattr(last, "keys"):
+        if last[0] is not None:
+            last[0] = mx.depends(last[0], collective)
+    elif isinstance(last.keys, mx.array):
+        last.keys = mx.depends(last.keys, collective)
+    elif isinstance(last.keys, (tuple, list)) and last.keys:
+        last.keys = type(last.keys)(mx.depends(list(last.keys), collective))
 
 
 def _walk(parts: TargetParts, h: mx.array, cache: list, tap_ids: list[int], run
@@ -599,11 +615,7 @@ def _walk(parts: TargetParts, h: mx.array, cache: list, tap_ids: list[int], run
     # mlx-lm keeps the send in the graph of the stage's last cache; here the all-gather too, so
     # whatever of the pass a rank evaluates first (its caches, logits or taps) runs every
     # collective of the pass, in the same order on every rank.
-    last = cache[-1]
-    if not hasattr(last, "keys"):
-        last[0] = mx.depends(last[0], every)
-    elif isinstance(last.keys, mx.array):  # a quantized cache's keys are a tuple: left as is
-        last.keys = mx.depends(last.keys, every)
+    _hold(cache, every)
     rows, width = h.shape[0], h.shape[-1]
 
     def block(rank: int, k: int) -> mx.array:

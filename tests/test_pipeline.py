@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_sharded import PROMPT, config_folder, launch, untied_hybrid  # noqa: E402
+from test_sharded import (  # noqa: E402
+    PROMPT,
+    assert_kv_runs_match,
+    config_folder,
+    kv_fixture,
+    kv_results,
+    launch,
+    untied_hybrid,
+)
 
 
 def indexed(target: Path, files: int = 2) -> Path:
@@ -100,6 +108,15 @@ def test_generate_command_with_pipeline(pipeline_pair, pipeline_runs):
     assert len(lines) == 1, run.stdout
     assert json.loads(lines[0])["tokens"] == pipeline_runs[0]["mlx_lm_greedy"][:24]
     assert run.stderr.count("sharded pipeline-parallel (by layers) over 2 ranks") == 1, run.stderr
+
+
+@pytest.mark.slow
+def test_quantized_kv_cache_with_pipeline(tmp_path):
+    """``kv_bits=8`` split by layers (both stages end with an attention layer, whose cache
+    becomes mlx-lm's quantized one, keys a tuple): greedy output identical to mlx-lm's pipeline
+    generation with the same KV settings, switching at the start and mid-generation."""
+    target, draft = kv_fixture(tmp_path, "qwen3_5", pipeline=True)
+    assert_kv_runs_match(kv_results(tmp_path, target, draft, "pipeline"))
 
 
 def test_pipeline_checks_name_what_is_missing(tmp_path):

@@ -731,6 +731,102 @@ def _worker(target: str, draft: str, out: str) -> None:
     Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
 
 
+# The quantized KV cache's settings of the two-rank checks: the whole cache from the start, and a
+# switch during the generation (a verify pass crossing it) for a prompt of PROMPT's length.
+KV_STARTS = (0, 20)
+
+
+def kv_fixture(root: Path, kind: str, pipeline: bool = False) -> tuple[Path, Path]:
+    """A target of ``kind`` whose head dimension (32) a KV group of 32 divides, and its drafter
+    (taps 0 and 2); with ``pipeline``, as an indexed checkpoint split by layer."""
+    import tiny_models
+    from test_kv_cache import write_fixture
+
+    target = write_fixture(root / "target", kind, head_dim=32)
+    if pipeline:
+        from test_pipeline import indexed
+
+        target = indexed(target)
+    return target, tiny_models.write_drafter(root / "draft", target, taps=(0, 2))
+
+
+def kv_results(tmp_path: Path, target: Path, draft: Path, split: str) -> list[dict]:
+    """Both ranks' ``_kv_worker`` results for a ``split`` (tensor, pipeline) launch."""
+    out = tmp_path / "kv"
+    run = launch(__file__, "kv-worker", str(target), str(draft), str(out), split)
+    assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file() for r in range(2)), \
+        run.stderr[-3000:]
+    return [json.loads((out.with_suffix(f".{r}.json")).read_text()) for r in range(2)]
+
+
+def assert_kv_runs_match(ranks: list[dict]) -> None:
+    for r, got in enumerate(ranks):
+        assert got["size"] == 2 and got["rank"] == r
+        for start in KV_STARTS:
+            reference = got["mlx_lm"][str(start)]
+            assert got["quantized"][str(start)], f"quantized_kv_start={start}: never quantized"
+            for policy, tokens in got["dflash"][str(start)].items():
+                assert tokens == reference, f"rank {r}, quantized_kv_start={start}, {policy}"
+        assert got["ranks_agree"], "the ranks generated different tokens"
+
+
+@pytest.mark.slow
+def test_quantized_kv_cache_on_two_ranks(tmp_path):
+    """``kv_bits=8`` on a tensor-parallel target: greedy output identical to mlx-lm's sharded
+    generation with the same KV settings, switching at the start and mid-generation."""
+    target, draft = kv_fixture(tmp_path, "qwen3_5")
+    assert_kv_runs_match(kv_results(tmp_path, target, draft, "tensor"))
+
+
+def _kv_worker(target: str, draft: str, out: str, split: str) -> None:
+    """Both ranks: mlx-lm's sharded greedy generation with a quantized KV cache and dflash's
+    (auto and fixed) with the same settings, for each of ``KV_STARTS``."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream
+    from mlx_lm.models.cache import QuantizedKVCache
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash import distributed
+    from dflash.cli import build_parser, encode
+    from dflash.pair import load_pair
+    from dflash.speculative import stream_generate
+    from dflash.target import make_cache, target_parts
+
+    ranks = distributed.join()
+    pair = load_pair(target, draft, pipeline=split == "pipeline")
+    args = build_parser().parse_args(["generate", "--prompt", PROMPT, "--no-chat-template"])
+    ids = encode(pair, {"prompt": PROMPT}, args)
+    n = 48
+    result = {"rank": ranks.rank, "size": ranks.size, "mlx_lm": {}, "dflash": {},
+              "quantized": {}}
+    everything = []
+    for start in KV_STARTS:
+        kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": start}
+        cache = make_cache(target_parts(pair.model))
+        reference = [int(t) for t, _ in generate_step(
+            mx.array(ids), pair.model, max_tokens=n, prompt_cache=cache,
+            logits_processors=make_logits_processors(repetition_penalty=1.5), **kv)]
+        mx.synchronize(generation_stream)  # its queued pass ends before the next collective
+        result["mlx_lm"][str(start)] = reference
+        # Whether mlx-lm quantized a cache of this stage (every stage holds attention layers)
+        result["quantized"][str(start)] = any(isinstance(c, QuantizedKVCache) for c in cache)
+        runs = {}
+        for policy in ("auto", "fixed"):
+            settings = distributed.agreed_settings(ranks, {"max_tokens": n, "policy": policy,
+                                                           "repetition_penalty": 1.5, **kv})
+            runs[policy] = [t for r in stream_generate(pair.model, pair.draft, pair.tokenizer,
+                                                       ids, **settings) for t in r.tokens]
+            everything += runs[policy]
+        result["dflash"][str(start)] = runs
+    mine = mx.array(np.asarray(everything, dtype=np.float32).reshape(1, -1))
+    every = np.array(mx.distributed.all_gather(mine, group=ranks.group))
+    result["ranks_agree"] = bool((every == every[0]).all())
+    Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     sys.path.insert(0, str(Path(__file__).parents[1]))  # the launcher passes no PYTHONPATH
     _worker(*sys.argv[2:5])
+elif __name__ == "__main__" and sys.argv[1:2] == ["kv-worker"]:
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    _kv_worker(*sys.argv[2:6])
