@@ -130,7 +130,7 @@ def test_calibration_measures_every_context_the_target_reads_drafts_included(qwe
     reads, the drafter's pass at each of them, and none past the target's positions."""
     model, _, draft, _, _ = qwen3
     cost = _calibrate(qwen3)
-    limit = costs.max_positions(target_parts(model))
+    limit = target_parts(model).max_positions
     expected = [c for c in costs.CONTEXTS if limit is None or c + max(costs.ROWS) + 8 <= limit]
     assert cost.contexts == expected and len(cost.draft_ms_at) == len(expected)
     for c, row in zip(cost.contexts, cost.draft_ms_at):
