@@ -409,7 +409,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
             "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory, "kv": kv or None,
-            "elapsed_s": elapsed, "ranks": ranks.size},
+            "elapsed_s": elapsed, "ranks": ranks.size,
+            "split": distributed.split_name(pair.model) if ranks.distributed else None},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,
         "pass_costs": pass_costs,  # what the policy priced with; learnt against calibrated
@@ -551,7 +552,8 @@ def format_summary(result: dict) -> str:
     """A few lines for the terminal."""
     out = []
     if result["config"].get("ranks", 1) > 1:
-        out.append(f"target sharded over {result['config']['ranks']} ranks (tensor-parallel); "
+        split = result["config"].get("split") or "tensor-parallel"
+        out.append(f"target sharded {split} over {result['config']['ranks']} ranks; "
                    "mlx-lm: its own sharded generation in the same launch")
     for r in result["runs"]:
         o = r["overall"]

@@ -462,6 +462,12 @@ def error_stream():
     return sys.__stderr__ if isinstance(sys.stderr, _Discard) else sys.stderr
 
 
+def split_name(model) -> str:
+    """How mlx-lm split ``model`` over the ranks, in words: by layers or tensor-parallel."""
+    return "pipeline-parallel (by layers)" if _stage_ranks(model) is not None \
+        else "tensor-parallel"
+
+
 def describe(ranks: Ranks, pipeline: bool = False) -> str:
     """One line for the log: how the target is split."""
     how = "pipeline-parallel (by layers)" if pipeline else "tensor-parallel"

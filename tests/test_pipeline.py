@@ -10,6 +10,7 @@ layout) run in this process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 from pathlib import Path
@@ -25,8 +26,11 @@ from test_sharded import (  # noqa: E402
     kv_fixture,
     kv_results,
     launch,
+    serving,
     untied_hybrid,
 )
+
+HELLO, HELLO_TOKENS = "Hello there", 12
 
 
 def indexed(target: Path, files: int = 2) -> Path:
@@ -110,6 +114,75 @@ def test_generate_command_with_pipeline(pipeline_pair, pipeline_runs):
     assert run.stderr.count("sharded pipeline-parallel (by layers) over 2 ranks") == 1, run.stderr
 
 
+@pytest.fixture(scope="module")
+def pipeline_hello(pipeline_pair, pipeline_runs) -> str:
+    """``dflash generate --pipeline``'s greedy answer to the chat message ``HELLO`` on two ranks,
+    whose tokens are mlx-lm's own pipeline generation's (checked here): the reference of
+    ``chat`` and ``serve`` on the same split."""
+    target, draft = pipeline_pair
+    gen = launch("-m", "dflash", "generate", "--model", str(target), "--draft", str(draft),
+                 "--max-tokens", str(HELLO_TOKENS), "--prompt", HELLO, "--json",
+                 "--no-speedup-estimate", "--pipeline")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    answer = json.loads(next(x for x in gen.stdout.splitlines() if x.startswith("{")))
+    assert answer["tokens"] == pipeline_runs[0]["mlx_lm_hello"]
+    return answer["text"]
+
+
+@pytest.mark.slow
+def test_chat_with_pipeline(pipeline_pair, pipeline_hello):
+    """``dflash chat --pipeline`` on two ranks: rank 0 reads the lines and hands them over (the
+    session ends with /exit: mlx.launch never closes stdin), the answer is ``generate``'s."""
+    target, draft = pipeline_pair
+    chat = launch("-m", "dflash", "chat", "--model", str(target), "--draft", str(draft),
+                  "--max-tokens", str(HELLO_TOKENS), "--quiet", "--pipeline",
+                  stdin=f"{HELLO}\n/exit\n")
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert chat.stdout == pipeline_hello + "\n"
+
+
+@pytest.mark.slow
+def test_serve_with_pipeline(pipeline_pair, pipeline_hello, tmp_path):
+    """``dflash serve --pipeline`` on two ranks: rank 0 serves, rank 1 follows. A greedy chat
+    completion, streamed or not, three at once (the batched engine on both stages) or run alone
+    with ``auto`` (rank 0's plans), is ``generate``'s answer; seeded sampled requests
+    reproduce."""
+    openai = pytest.importorskip("openai")
+    target, draft = pipeline_pair
+    with serving(target, draft, tmp_path, "--pipeline") as (_, base, logs):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120)
+        hello = dict(model="default", messages=[{"role": "user", "content": HELLO}],
+                     max_tokens=HELLO_TOKENS, temperature=0)
+
+        def answer(**extra) -> str:
+            return client.chat.completions.create(**{**hello, **extra}).choices[0] \
+                .message.content
+
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(**hello, stream=True) if c.choices)
+        assert answer() == pipeline_hello and streamed == pipeline_hello, logs()
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda _: answer(), range(3)))
+        assert together == [pipeline_hello] * 3, logs()
+        assert answer(extra_body={"policy": "auto"}) == pipeline_hello, logs()
+        sampled = [answer(temperature=0.9, seed=3) for _ in range(2)]
+        assert sampled[0] == sampled[1]
+
+
+@pytest.mark.slow
+def test_bench_with_pipeline(pipeline_pair):
+    """``dflash bench --pipeline`` on two ranks: rank 0 prints the speed-up against mlx-lm's
+    own pipeline generation in the same launch, outputs identical."""
+    target, draft = pipeline_pair
+    run = launch("-m", "dflash", "bench", "--model", str(target), "--draft", str(draft),
+                 "--limit", "1", "--max-tokens", "12", "--no-chat-template", "--no-warmup",
+                 "--pipeline")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("target sharded pipeline-parallel (by layers) over 2 ranks") == 1, \
+        run.stdout
+    assert run.stdout.count("speed-up") == 1 and "identical at T=0: yes" in run.stdout
+
+
 @pytest.mark.slow
 def test_quantized_kv_cache_with_pipeline(tmp_path):
     """``kv_bits=8`` split by layers (both stages end with an attention layer, whose cache
@@ -181,8 +254,8 @@ def _worker(target: str, draft: str, out: str) -> None:
         every = np.array(mx.distributed.all_gather(mine, group=ranks.group))
         return bool((every == every[0]).all())
 
-    def mlx_lm(**settings) -> list[int]:
-        tokens = [int(t) for t, _ in generate_step(mx.array(ids), pair.model, **settings)]
+    def mlx_lm(prompt: list[int] = ids, **settings) -> list[int]:
+        tokens = [int(t) for t, _ in generate_step(mx.array(prompt), pair.model, **settings)]
         mx.synchronize(generation_stream)  # its queued pass ends before the next collective
         return tokens
 
@@ -195,6 +268,9 @@ def _worker(target: str, draft: str, out: str) -> None:
     penalised = mlx_lm(max_tokens=n,
                        logits_processors=make_logits_processors(repetition_penalty=1.5))
     long_reference = mlx_lm(max_tokens=4 * n)
+    # The chat message "Hello there" in the chat template: what chat, serve and generate answer
+    chat = build_parser().parse_args(["generate", "--prompt", HELLO])
+    hello = mlx_lm(encode(pair, {"prompt": HELLO}, chat), max_tokens=HELLO_TOKENS)
     plans = []
 
     def run(**settings) -> list[int]:
@@ -218,6 +294,7 @@ def _worker(target: str, draft: str, out: str) -> None:
               "mlx_lm_greedy": reference, "dflash_greedy": greedy, "mlx_lm_penalised": penalised,
               "dflash_penalised": greedy_penalised, "dflash_fixed": fixed,
               "mlx_lm_long": long_reference, "dflash_long": long, "sampled": sampled,
+              "mlx_lm_hello": hello,
               "plans": plans, "plans_agree": same_everywhere(plans),
               "ranks_agree": same_everywhere(greedy + long + sampled[0])}
     Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))

@@ -161,7 +161,7 @@ def test_bench_under_launch(two_rank_runs):
     run = launch("-m", "dflash", "bench", "--model", str(target), "--draft", str(draft),
                  "--limit", "1", "--max-tokens", "12", "--no-chat-template", "--no-warmup")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("target sharded over 2 ranks") == 1, run.stdout
+    assert run.stdout.count("target sharded tensor-parallel over 2 ranks") == 1, run.stdout
     assert run.stdout.count("speed-up") == 1 and "identical at T=0: yes" in run.stdout
 
 
