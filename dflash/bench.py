@@ -398,9 +398,11 @@ def run_bench(model: str | None = None, draft: str | None = None,
     identical = [r["overall"]["identical"] for r in result_runs]
     from .cost_model import cost_model
     from .cost_model import report as cost_report
-    from .target import target_parts
+    from .target import KVQuantization, target_parts
 
-    pass_costs = cost_report(cost_model(target_parts(pair.model), pair.draft))
+    # The costs a kv_bits run priced with are the quantized cache's (keyed by its settings).
+    priced_kv = KVQuantization.from_settings(**kv) if kv else None
+    pass_costs = cost_report(cost_model(target_parts(pair.model), pair.draft, priced_kv))
     say(pass_costs["describe"])
     result = {
         "config": _environment(pair) | {

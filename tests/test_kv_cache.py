@@ -465,3 +465,19 @@ def test_the_context_bench_takes_mlx_lms_quantized_kv_cache_on_both_sides(kv_pai
     # Identical to mlx-lm's own decoding with the same cache settings, with and without
     # continuations.
     assert row["lookup"]["identical"] is True and row["no_lookup"]["identical"] is True
+
+
+@pytest.mark.slow
+def test_a_kv_bits_bench_reports_the_quantized_caches_pass_costs(kv_pair, tmp_path):
+    from dflash.bench import run_bench
+    from dflash.pair import Pair
+
+    model, tokenizer, draft = kv_pair("llama")
+    pair = Pair(model, tokenizer, draft, str(tmp_path / "target"), str(tmp_path / "draft"))
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    result = run_bench(pair=pair, prompts=[{"id": "sea", "prompt": "Where do boats go?"}],
+                       block_sizes="4", max_tokens=24, warmup=False, kv=kv)
+    assert result["identical"] is True
+    # The fixture's float cache is calibrated; the quantized cache's costs are learnt from the
+    # bench's own passes, and those are what its policy priced with.
+    assert result["pass_costs"]["source"] == "learnt" and result["pass_costs"]["learnt"]
