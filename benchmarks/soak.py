@@ -318,7 +318,9 @@ def malformed_cases(model: str) -> list[tuple[str, str, object, int]]:
          {**chat, "tools": [{"type": "function", "function": {"name": ""}}]}, 400),
         ("unknown tool_choice", "/v1/chat/completions",
          {**chat, "tools": [weather], "tool_choice": "always"}, 400),
-        ("anthropic unknown field", "/v1/messages", {**msg, "frobnicate": True}, 400),
+        # Unknown fields are accepted and ignored (as real clients send them); a known one with
+        # a bad value is not.
+        ("anthropic temperature above 1", "/v1/messages", {**msg, "temperature": 1.5}, 400),
         ("anthropic without max_tokens", "/v1/messages",
          {k: v for k, v in msg.items() if k != "max_tokens"}, 400),
         ("anthropic image block", "/v1/messages", {**msg, "messages": [{"role": "user", "content": [
