@@ -462,16 +462,18 @@ def error_stream():
     return sys.__stderr__ if isinstance(sys.stderr, _Discard) else sys.stderr
 
 
+def _split_words(pipeline: bool) -> str:
+    return "pipeline-parallel (by layers)" if pipeline else "tensor-parallel"
+
+
 def split_name(model) -> str:
     """How mlx-lm split ``model`` over the ranks, in words: by layers or tensor-parallel."""
-    return "pipeline-parallel (by layers)" if _stage_ranks(model) is not None \
-        else "tensor-parallel"
+    return _split_words(_stage_ranks(model) is not None)
 
 
 def describe(ranks: Ranks, pipeline: bool = False) -> str:
     """One line for the log: how the target is split."""
-    how = "pipeline-parallel (by layers)" if pipeline else "tensor-parallel"
-    return f"target sharded {how} over {ranks.size} ranks (this is rank {ranks.rank})"
+    return f"target sharded {_split_words(pipeline)} over {ranks.size} ranks (this is rank {ranks.rank})"
 
 
 # The split ``dflash`` commands load a sharded target with when their caller does not say
