@@ -4,17 +4,17 @@ We walk the target's own layers (embed -> layers -> norm -> head) instead of pat
 classes, so two generations in two threads never share state. "Tap k" is the output of decoder
 layer k (0-based), i.e. Hugging Face's ``hidden_states[k + 1]``.
 
-Roll-back after a partial acceptance: attention caches trim. GatedDeltaNet layers (Qwen3.5) keep a
-recurrent state that cannot be trimmed, so their verify pass records its per-step inputs and the
-state it started from; roll-back replays the accepted prefix of the recurrence from that state and
-takes the conv window from the recorded conv input.
+Roll-back after a partial acceptance: attention caches trim. GatedDeltaNet layers (Qwen3.5,
+Qwen3-Next) keep a recurrent state that cannot be trimmed, so their verify pass records its
+per-step inputs and the state it started from; roll-back replays the accepted prefix of the
+recurrence from that state and takes the conv window from the recorded conv input.
 
-A target split by layers (mlx-lm's pipeline-parallel ``sharded_load``, qwen3_5): each rank holds
-one stage, a run of consecutive layers, and its caches for those only. The walk runs the stage's
-layers with mlx-lm's schedule around them (receive the hidden state from the previous stage, send
-the result to the next, keep the send in the caches' graph) and ends with the one all-gather
-mlx-lm ends with, into which every stage folds the taps it holds (:class:`Stage`), so every rank
-leaves the pass with the final hidden state and every tap at no extra collective.
+A target split by layers (mlx-lm's pipeline-parallel ``sharded_load``: qwen3_5, qwen3_next): each
+rank holds one stage, a run of consecutive layers, and its caches for those only. The walk runs
+the stage's layers with mlx-lm's schedule around them (receive the hidden state from the previous
+stage, send the result to the next, keep the send in the caches' graph) and ends with the one
+all-gather mlx-lm ends with, into which every stage folds the taps it holds (:class:`Stage`), so
+every rank leaves the pass with the final hidden state and every tap at no extra collective.
 
 Quantized KV caches (mlx-lm's ``kv_bits``): the promise is mlx-lm's own decoding with the same KV
 settings, so the cache must switch from float to quantized at the offset where mlx-lm's
@@ -184,7 +184,8 @@ def target_parts(model: nn.Module) -> TargetParts:
     if stage is not None:
         layers = list(inner.pipeline_layers)
     for i, layer in enumerate(layers, start=stage.start if stage is not None else 0):
-        if hasattr(layer, "linear_attn") and not hasattr(layer.linear_attn, "in_proj_qkv"):
+        if hasattr(layer, "linear_attn") and not any(
+                hasattr(layer.linear_attn, a) for a in ("in_proj_qkv", "in_proj_qkvz")):
             raise UnsupportedTargetError(
                 f"target layer {i}: linear attention of type {type(layer.linear_attn).__name__} "
                 "cannot be rolled back")
@@ -455,14 +456,22 @@ def _gated_delta_forward(mod: nn.Module, x: mx.array, cache: ArraysCache,
                          trace: VerifyTrace | None, layer_idx: int) -> mx.array:
     """mlx-lm's ``GatedDeltaNet.__call__`` for one unpadded sequence, recording its inputs.
 
-    Kept in step with mlx_lm.models.qwen3_5.GatedDeltaNet (same ops, same order) so that the
-    outputs are bit-identical to the target's own forward.
+    Kept in step with mlx_lm.models.qwen3_5.GatedDeltaNet and, for its front end (two fused
+    projections reordered per key head by the module's own ``fix_query_key_value_ordering``),
+    mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet (same ops, same order) so that the outputs
+    are bit-identical to the target's own forward. From the conv input on, the two are one.
     """
     B, S, _ = x.shape
-    qkv = mod.in_proj_qkv(x)
-    z = mod.in_proj_z(x).reshape(B, S, mod.num_v_heads, mod.head_v_dim)
-    b = mod.in_proj_b(x)
-    a = mod.in_proj_a(x)
+    if hasattr(mod, "in_proj_qkvz"):  # qwen3_next
+        q, k, v, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x),
+                                                            mod.in_proj_ba(x))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)],
+                             axis=-1)
+    else:  # qwen3_5
+        qkv = mod.in_proj_qkv(x)
+        z = mod.in_proj_z(x).reshape(B, S, mod.num_v_heads, mod.head_v_dim)
+        b = mod.in_proj_b(x)
+        a = mod.in_proj_a(x)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, mod.conv_kernel_size - 1, mod.conv_dim), dtype=x.dtype)

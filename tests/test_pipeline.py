@@ -1,5 +1,5 @@
-"""A target split by layers over two ranks (mlx-lm's pipeline-parallel ``sharded_load``, qwen3_5),
-on localhost under ``mlx.launch -n 2 --backend ring``.
+"""A target split by layers over two ranks (mlx-lm's pipeline-parallel ``sharded_load``: qwen3_5,
+and qwen3_next), on localhost under ``mlx.launch -n 2 --backend ring``.
 
 As in ``test_sharded.py``, both ranks run a worker of this file and the reference for greedy output
 is mlx-lm's own generation of the same split model in the same launch. A split by layers does
@@ -72,14 +72,18 @@ def pipeline_pair(tmp_path_factory):
     return target, draft
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs(pipeline_pair, tmp_path_factory):
-    target, draft = pipeline_pair
-    out = tmp_path_factory.mktemp("pipeline-runs") / "worker"
+def worker_runs(target: Path, draft: Path, out: Path) -> list[dict]:
+    """Both ranks' ``_worker`` results for the pair split by layers over two ranks."""
     run = launch(__file__, "worker", str(target), str(draft), str(out))
     assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file() for r in range(2)), \
         run.stderr[-3000:]
     return [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(pipeline_pair, tmp_path_factory):
+    target, draft = pipeline_pair
+    return worker_runs(target, draft, tmp_path_factory.mktemp("pipeline-runs") / "worker")
 
 
 @pytest.mark.slow
@@ -88,6 +92,25 @@ def test_two_stages_match_mlx_lm_pipeline(pipeline_runs):
         assert got["stage"] == [[2, 0], 4], "not mlx-lm's split of 4 layers over 2 ranks"
         assert got["taps_unsplit"], "taps differ from one unsplit process's"
     assert_ranks_match_mlx_lm(pipeline_runs)
+
+
+@pytest.mark.slow
+def test_qwen3_next_two_stages_match_mlx_lm_pipeline(tmp_path):
+    """A qwen3_next target (tests/test_qwen3_next.py's: GatedDeltaNet layers 0-2, attention
+    layer 3, sparse-MoE MLPs) split by layers: rank 1's stage holds two GatedDeltaNet layers
+    (its last cache a recurrent one, which holds the send), rank 0's one of each. Every policy's
+    greedy tokens are mlx-lm's own pipeline generation's in the same launch, and the taps (both
+    on GatedDeltaNet layers, one per stage) one unsplit process's."""
+    import tiny_models
+    from test_qwen3_next import write_qwen3_next
+
+    target = indexed(write_qwen3_next(tmp_path / "target"))
+    draft = tiny_models.write_drafter(tmp_path / "draft", target, taps=(0, 2))
+    runs = worker_runs(target, draft, tmp_path / "worker")
+    for got in runs:
+        assert got["stage"] == [[2, 0], 4], "not mlx-lm's split of 4 layers over 2 ranks"
+        assert got["taps_unsplit"], "taps differ from one unsplit process's"
+    assert_ranks_match_mlx_lm(runs)
 
 
 @pytest.mark.slow
@@ -191,7 +214,9 @@ def test_pipeline_checks_name_what_is_missing(tmp_path):
 
     dense = folder("dense", model_type="qwen3", num_attention_heads=4, num_key_value_heads=2,
                    num_hidden_layers=4, hidden_size=64, intermediate_size=128)
-    with pytest.raises(UnsupportedTargetError, match="'qwen3' cannot be split by layers.*qwen3_5"):
+    # mlx-lm has no pipeline split for qwen3: refused, naming what is supported
+    with pytest.raises(UnsupportedTargetError,
+                       match="'qwen3' cannot be split by layers.*qwen3_5, qwen3_next"):
         distributed.check_shardable(dense, 2, pipeline=True)
     hybrid = folder("hybrid", model_type="qwen3_5", num_hidden_layers=4, num_attention_heads=4,
                     hidden_size=64, intermediate_size=128)
@@ -202,9 +227,17 @@ def test_pipeline_checks_name_what_is_missing(tmp_path):
     distributed.check_shardable(hybrid, 4, pipeline=True)
     with pytest.raises(UnsupportedTargetError, match="num_hidden_layers=4 cannot be split.* 8 "):
         distributed.check_shardable(hybrid, 8, pipeline=True)
+    # qwen3_next: split by layers (mlx-lm's pipeline), not tensor-parallel (mlx-lm has no shard()
+    # for it): the refusal says --pipeline
     nxt = folder("next", model_type="qwen3_next", num_hidden_layers=4)
     with pytest.raises(UnsupportedTargetError, match="'qwen3_next' cannot be sharded.*--pipeline"):
         distributed.check_shardable(nxt, 2)
+    with pytest.raises(UnsupportedTargetError, match="model.safetensors.index.json"):
+        distributed.check_shardable(nxt, 2, pipeline=True)
+    (nxt / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    distributed.check_shardable(nxt, 2, pipeline=True)
+    with pytest.raises(UnsupportedTargetError, match="num_hidden_layers=4 cannot be split.* 8 "):
+        distributed.check_shardable(nxt, 8, pipeline=True)
 
 
 def test_stage_starts_follow_mlx_lm():
