@@ -13,8 +13,9 @@ rank: dflash's own layer walk (:func:`dflash.target.forward`) taps it unchanged,
 acceptance and roll-back (GatedDeltaNet states included: each rank replays its own heads'
 recurrence) run identically everywhere.
 
-Pipeline-parallel on request (``--pipeline``; qwen3_5, the family whose mlx-lm class has both
-splits and whose layers dflash's walk runs): mlx-lm's ``sharded_load(pipeline_group=...)`` gives
+Pipeline-parallel on request (``--pipeline``; qwen3_5 and qwen3_next, the hybrid families whose
+mlx-lm pipeline dflash's walk follows; qwen3_next has no tensor-parallel ``shard()`` in mlx-lm, so
+this is its only split): mlx-lm's ``sharded_load(pipeline_group=...)`` gives
 each rank a stage of consecutive layers. The walk then runs the stage in mlx-lm's send/receive
 schedule and folds the taps each stage holds into the all-gather mlx-lm ends a pass with
 (:func:`dflash.target._walk`), so every rank still leaves each pass with the same final hidden
@@ -76,9 +77,11 @@ from .ranks import Ranks, init_ranks
 
 # mlx-lm model modules whose tensor-parallel shard() dflash's layer walk runs unchanged.
 TENSOR_PARALLEL = ("llama", "qwen3", "qwen3_5")
-# ... and those whose pipeline() split it runs by stages (qwen3_next splits by layers only, but
-# its GatedDeltaNet, in_proj_qkvz, is not the one dflash's walk records and rolls back).
-PIPELINE_PARALLEL = ("qwen3_5",)
+# ... and those whose pipeline() split it runs by stages: their stage schedule (receive, layers,
+# send held by the last cache, one all-gather) is the one the walk follows, and their GatedDeltaNet
+# front ends (qwen3_5's in_proj_qkv, qwen3_next's in_proj_qkvz) are both recorded and rolled back.
+# qwen3_next splits by layers only: its mlx-lm class has no shard().
+PIPELINE_PARALLEL = ("qwen3_5", "qwen3_next")
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # Fingerprint reads of each checkpoint file: its head and tail and evenly spaced chunks between.
 _CHUNK = 1 << 20
@@ -183,7 +186,7 @@ def check_pipeline(path: str | Path, family: str, config: dict, size: int) -> No
         raise UnsupportedTargetError(
             f"--model {path}: model family {family!r} cannot be split by layers (--pipeline) for "
             f"speculative decoding; supported: {', '.join(PIPELINE_PARALLEL)} (mlx-lm's pipeline "
-            "split with a GatedDeltaNet dflash rolls back; qwen3_next's is another kind)")
+            "splits whose stage schedule dflash's layer walk follows)")
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int) and layers < size:
         raise UnsupportedTargetError(
