@@ -55,7 +55,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter folder or repo id (default: the built-in drafter)")
     g.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the target by layers (mlx-lm's "
-                        "pipeline-parallel; qwen3_5) instead of tensor-parallel")
+                        "pipeline-parallel; qwen3_5, qwen3_next) instead of tensor-parallel")
 
 
 def add_draft_window_arg(p: argparse.ArgumentParser) -> None:
