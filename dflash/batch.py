@@ -75,7 +75,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from .backend import generation_context, generation_stream, pass_stream
 from .console import log
 from .cost_model import cost_model
-from .distributed import shard_count
+from .distributed import model_ranks
 from .drafter import full_logits
 from .errors import GenerationConfigError
 from .lookup import Match
@@ -89,6 +89,7 @@ from .policy import (
     make_batch_policy,
     policy_class,
 )
+from .policy.agreed import agreed_batch
 from .policy.memory import PairMemory
 from .prompt_cache import PromptCache
 from .ragged_cache import RaggedArraysCache, RaggedKVCache, append_rows
@@ -226,13 +227,11 @@ class BatchGenerator:
             log(f"dflash: {self.fallback}; decoding the batch one sequence at a time")
         elif self.max_batch == 1:  # never a batch: the single-sequence engine (trees included)
             self.fallback = "max_batch=1"
-        if self.fallback is None and policy_class(policy).needs_cost and shard_count(self.parts) > 1:
-            raise GenerationConfigError(
-                f"policy={policy!r}: a batch on a target sharded over ranks verifies with 'fixed' "
-                "(its row widths would be priced with each rank's own timings)")
         # How the batch speculates (the same back-off as one sequence); None: not batched.
-        self.speculation = None if self.fallback else make_batch_policy(
-            policy, cost_model(self.parts, draft) if policy_class(policy).needs_cost else None)
+        # Sharded, rank 0 decides and the other ranks take its decisions (policy.agreed).
+        self.speculation = None if self.fallback else agreed_batch(make_batch_policy(
+            policy, cost_model(self.parts, draft) if policy_class(policy).needs_cost else None),
+            model_ranks(self.parts))
         # Shared prefixes (system prompts, earlier turns): each prompt is prefilled alone, so it
         # can start from the caches of the last prompt prefilled (see PromptCache.take).
         self.prompt_cache = prompt_cache

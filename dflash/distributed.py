@@ -56,8 +56,9 @@ The first is chosen: its cost is small and counted, and it cannot diverge by con
 other ranks never price anything; a tree or a continuation travels with every token and parent it
 verifies, and a chain names its rows of the drafted block, which is the same on every rank (same
 inputs, same rows, the same number of candidates read, all sent before drafting). The batched
-engine (``dflash serve`` with several requests) still verifies with ``fixed`` when sharded: its
-own policy (row widths per step) prices with timings too and is not handed over.
+engine's ``auto`` (whether a pass drafts, its rows and width, the rows that verify a
+continuation) prices with timings too and is handed over the same way
+(:func:`dflash.policy.agreed.agreed_batch`), ``dflash serve``'s batches included.
 """
 
 from __future__ import annotations

@@ -31,14 +31,15 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 LAUNCH_TIMEOUT = 300
 
 
-def launch(*command: str, timeout: int = LAUNCH_TIMEOUT, ranks: int = 2, stdin: str | None = None
-           ) -> subprocess.CompletedProcess:
-    """``command`` on ``ranks`` ranks of the ring backend on localhost."""
+def launch(*command: str, timeout: int = LAUNCH_TIMEOUT, ranks: int = 2, stdin: str | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``command`` on ``ranks`` ranks of the ring backend on localhost (``env``: variables set
+    for every rank besides this process's)."""
     launcher = shutil.which("mlx.launch")
     if launcher is None:
         pytest.skip("mlx.launch is not on PATH")
     root = Path(__file__).parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(root))
     # A session of its own, so that a launch past its time is ended with both of its ranks.
     proc = subprocess.Popen([launcher, "-n", str(ranks), "--backend", "ring", sys.executable,
                              *command],
@@ -301,9 +302,9 @@ def assert_everybody_hears(base: str, proc, logs, message: str, tail: str, took:
 @pytest.mark.slow
 def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
     """``dflash serve`` on two ranks: rank 0 serves, rank 1 follows its generations. A chat
-    completion, streamed or not, alone or three at once (batched), or run alone with its own
-    verify plan (auto and tree included), is ``dflash generate``'s answer on the same setup; a
-    seeded sampled one reproduces (batched, and alone with auto); one whose client leaves
+    completion, streamed or not, alone or three at once (batched under ``auto``: rank 0's
+    decisions), or run alone with its own verify plan (tree included), is ``dflash generate``'s
+    answer on the same setup; a seeded sampled one reproduces (batched, and alone); one whose client leaves
     mid-stream stops on both ranks. Rank 1 killed mid-stream: the open stream ends with an error
     naming it within 30 s, a new request gets a 503 naming it, and the server exits."""
     import httpx
@@ -318,24 +319,27 @@ def test_serve_under_launch(two_rank_runs, hello_answer, tmp_path):
         streamed = "".join(c.choices[0].delta.content or "" for c in
                            client.chat.completions.create(**hello, stream=True) if c.choices)
         assert whole == hello_answer and streamed == hello_answer
-        # Three at once: the batched engine on both ranks, each answer the one it gets alone.
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            together = list(pool.map(
-                lambda _: client.chat.completions.create(**hello).choices[0].message.content,
-                range(3)))
-        assert together == [hello_answer] * 3
+        # Three at once: the batched engine on both ranks under auto (rank 0 decides each
+        # pass, rank 1 takes its decisions), each answer the one it gets alone; twice, the
+        # second time with the first's text in the scope's index (continuations verified).
+        for _ in range(2):
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                together = list(pool.map(
+                    lambda _: client.chat.completions.create(**hello).choices[0].message.content,
+                    range(3)))
+            assert together == [hello_answer] * 3, logs()
         # A request with its own verify plan runs alone (the single-sequence engine on every
-        # rank): the same answer, rank 0's plans verified on both ranks for auto and tree.
-        for own in ({"min_confidence": 0.5}, {"policy": "auto"}, {"policy": "tree"}):
+        # rank): the same answer, rank 0's plans verified on both ranks for tree.
+        for own in ({"min_confidence": 0.5}, {"policy": "fixed"}, {"policy": "tree"}):
             alone = client.chat.completions.create(**hello, extra_body=own)
             assert alone.choices[0].message.content == hello_answer, own
-        # Seeded: the batch's, and auto's alone without lookups (with them, the earlier
-        # requests' text in the scope's index is a continuation the next request may verify,
-        # which changes the draws of a cycle, as on one process).
-        auto = {"policy": "auto", "lookup": False}
+        # Seeded: the batch's auto without lookups (with them, the earlier requests' text in
+        # the scope's index is a continuation the next request may verify, which changes the
+        # draws of a cycle, as on one process), and fixed's alone.
+        own = ({"lookup": False},) * 2 + ({"policy": "fixed"},) * 2
         sampled = [client.chat.completions.create(**{**hello, "temperature": 0.9, "seed": 3},
-                                                  extra_body=own)
-                   .choices[0].message.content for own in ({}, {}, auto, auto)]
+                                                  extra_body=extra)
+                   .choices[0].message.content for extra in own]
         assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
         # A client that leaves mid-stream stops the generation on both ranks at the same cycle:
         # the next request is answered, and alike.
@@ -602,22 +606,70 @@ def test_followers_plan_what_rank_0_plans():
     assert agreed(fixed, wire.end(False)) is fixed
 
 
-def test_a_sharded_batch_verifies_with_fixed(tmp_path, monkeypatch):
-    """The batched engine's own policy prices its row widths with this rank's timings: on a
-    sharded target a batch refuses ``auto`` (the server's sharded batch verifies with fixed)."""
-    import tiny_models
+def _batch_decisions(speculation, wrap, script, costs) -> list:
+    """``speculation`` (a batch policy) asked and told in the order
+    :meth:`dflash.batch.BatchGenerator._cycle` asks and tells it, over scripted rows; every
+    decision (drafted rows, width, rows verifying their continuation), in order. ``wrap``: what
+    each row's own policy is on this rank."""
+    from dflash.policy import make_policy
 
-    from dflash import batch
-    from dflash.errors import GenerationConfigError
-    from dflash.pair import load_pair
+    policies = [wrap(make_policy("auto", 16, costs)) for _ in range(3)]
+    decisions = []
+    for context, (confs, looked, committed) in enumerate(script, start=100):
+        rows = list(zip(policies, confs))
+        if speculation.want_draft(rows, looked, context, 16):
+            drafted = speculation.draft_rows(16)
+            width, use_look = speculation.width_after_draft(rows, looked, context, drafted)
+        else:
+            drafted, (width, use_look) = 0, speculation.width_without_draft(looked, context)
+        speculation.judge(rows, use_look, looked, committed, context, drafted, width)
+        decisions.append((drafted, width, list(use_look)))
+    return decisions
 
-    target = tiny_models.write_target(tmp_path / "target", "qwen3")
-    pair = load_pair(target, tiny_models.write_drafter(tmp_path / "draft", target, taps=(0, 2)))
-    monkeypatch.setattr(batch, "shard_count", lambda parts: 2)
-    with pytest.raises(GenerationConfigError, match="policy='auto': a batch on a target sharded"):
-        batch.BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=4)
-    batch.BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=4, policy="fixed")
-    batch.BatchGenerator(pair.model, pair.draft, pair.tokenizer, max_batch=1)  # one at a time
+
+def test_batch_followers_take_rank_0s_decisions():
+    """The batched engine's ``auto`` on rank 0 (its rows' policies wrapped as a sharded target
+    wraps them) and on a follower (whose rows' policies price nothing): the follower's every
+    decision is rank 0's, and rank 0's are what the batch policy alone decides. ``fixed`` is not
+    wrapped."""
+    from dflash.cost_model import PassCosts
+    from dflash.policy import make_batch_policy
+    from dflash.policy.agreed import (
+        BatchFollower,
+        BatchLeader,
+        PlanFollower,
+        PlanLeader,
+        agreed_batch,
+    )
+
+    costs = PassCosts("test", {})
+    for ms, rows in ((1.0, 1), (1.05, 4), (1.1, 16), (1.3, 48)):
+        for _ in range(3):
+            costs.observe("verify", rows, 100, ms / 1000)
+    costs.observe("draft", 48, 100, 0.0004)
+    rng = np.random.default_rng(5)
+    # Confident drafting, then hopeless drafting (plain passes, back-off), then anything; rows
+    # with a continuation now and then.
+    script = [([np.sort(rng.uniform(0.0, top, 15))[::-1] for _ in range(3)],
+               [None if rng.random() < 0.6 else rng.uniform(0.2, 1.0, int(rng.integers(1, 15)))
+                for _ in range(3)],
+               int(rng.integers(3, 30)))
+              for top in (1.0, 0.02, 0.6) for _ in range(40)]
+    alone = _batch_decisions(make_batch_policy("auto", costs), lambda p: p, script, costs)
+    wire = _Wire()
+    leader = agreed_batch(make_batch_policy("auto", costs), wire.end(True))
+    assert isinstance(leader, BatchLeader)
+    led = _batch_decisions(leader, lambda p: PlanLeader(p, wire.end(True)), script, costs)
+    follower = agreed_batch(make_batch_policy("auto", costs), wire.end(False))
+    assert isinstance(follower, BatchFollower)
+    followed = _batch_decisions(follower, lambda p: PlanFollower(p, wire.end(False)), script,
+                                costs)
+    assert followed == led == alone and not wire.queue
+    assert {d[0] > 0 for d in led} == {True, False}, "never drafted, or always"
+    assert any(any(use) for _, _, use in led), "no row verified its continuation"
+    assert len({width for _, width, _ in led}) > 2
+    fixed = make_batch_policy("fixed", costs)
+    assert agreed_batch(fixed, wire.end(False)) is fixed
 
 
 def test_engine_calls_cross_to_the_followers_unchanged():
@@ -759,13 +811,20 @@ def kv_fixture(root: Path, kind: str, pipeline: bool = False) -> tuple[Path, Pat
     return target, tiny_models.write_drafter(root / "draft", target, taps=(0, 2))
 
 
-def kv_results(tmp_path: Path, target: Path, draft: Path, split: str) -> list[dict]:
-    """Both ranks' ``_kv_worker`` results for a ``split`` (tensor, pipeline) launch."""
-    out = tmp_path / "kv"
-    run = launch(__file__, "kv-worker", str(target), str(draft), str(out), split)
+def split_results(worker: str, tmp_path: Path, target: Path, draft: Path, split: str
+                  ) -> list[dict]:
+    """Both ranks' results of this file's ``worker`` (``kv-worker``, ``batch-worker``) on a
+    ``split`` (tensor, pipeline) launch."""
+    out = tmp_path / worker
+    run = launch(__file__, worker, str(target), str(draft), str(out), split)
     assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file() for r in range(2)), \
         run.stderr[-3000:]
     return [json.loads((out.with_suffix(f".{r}.json")).read_text()) for r in range(2)]
+
+
+def kv_results(tmp_path: Path, target: Path, draft: Path, split: str) -> list[dict]:
+    """Both ranks' ``_kv_worker`` results for a ``split`` (tensor, pipeline) launch."""
+    return split_results("kv-worker", tmp_path, target, draft, split)
 
 
 def assert_kv_runs_match(ranks: list[dict]) -> None:
@@ -833,9 +892,79 @@ def _kv_worker(target: str, draft: str, out: str, split: str) -> None:
     Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
 
 
+BATCH_PROMPTS = (PROMPT, "Hello there, how are you today?", "def fibonacci(n):")
+
+
+def batch_results(tmp_path: Path, target: Path, draft: Path, split: str) -> list[dict]:
+    """Both ranks' ``_batch_worker`` results for a ``split`` (tensor, pipeline) launch."""
+    return split_results("batch-worker", tmp_path, target, draft, split)
+
+
+def assert_batches_match(ranks: list[dict]) -> None:
+    for r, got in enumerate(ranks):
+        assert got["size"] == 2 and got["rank"] == r
+        for policy in ("auto", "fixed"):
+            assert got[policy] == got["mlx_lm"], f"rank {r}, policy {policy}"
+        assert got["ranks_agree"], "the ranks generated different tokens or counted other plans"
+    assert [got["speculation"] for got in ranks] == ["BatchLeader", "BatchFollower"]
+
+
+@pytest.mark.slow
+def test_batch_auto_on_two_ranks(tmp_path):
+    """The batched engine's ``auto`` on a tensor-parallel target: rank 0 decides each pass (draft
+    or not, how many rows, the width, the rows that verify a continuation) and the other rank
+    takes its decisions; three prompts batched give mlx-lm's sharded greedy tokens for each
+    alone, under ``auto`` and ``fixed``, and the ranks count the same plans."""
+    import tiny_models
+
+    target = tiny_models.write_target(tmp_path / "target", "qwen3")
+    draft = tiny_models.write_drafter(tmp_path / "draft", target, taps=(0, 2))
+    assert_batches_match(batch_results(tmp_path, target, draft, "tensor"))
+
+
+def _batch_worker(target: str, draft: str, out: str, split: str) -> None:
+    """Both ranks: mlx-lm's sharded greedy generation of each of ``BATCH_PROMPTS`` alone, and
+    the three batched through dflash's batched engine under ``auto`` and ``fixed``."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash import distributed
+    from dflash.batch import BatchGenerator, batch_generate
+    from dflash.pair import load_pair
+
+    ranks = distributed.join()
+    pair = load_pair(target, draft, pipeline=split == "pipeline")
+    prompts = [pair.tokenizer.encode(p) for p in BATCH_PROMPTS]
+    n = 32
+    result = {"rank": ranks.rank, "size": ranks.size, "mlx_lm": [],
+              "speculation": type(BatchGenerator(pair.model, pair.draft, pair.tokenizer,
+                                                 max_batch=3).speculation).__name__}
+    for ids in prompts:
+        result["mlx_lm"].append([int(t) for t, _ in generate_step(
+            mx.array(ids), pair.model, max_tokens=n,
+            logits_processors=make_logits_processors(repetition_penalty=1.5))])
+        mx.synchronize(generation_stream)  # its queued pass ends before the next collective
+    counted = []
+    for policy in ("auto", "fixed"):
+        runs = batch_generate(pair.model, pair.draft, pair.tokenizer, prompts, max_batch=3,
+                              policy=policy, max_tokens=n, repetition_penalty=1.5)
+        result[policy] = [r.tokens for r in runs]
+        counted += [t for r in runs for t in r.tokens]
+        counted += [x for r in runs for x in (r.stats.cycles, r.stats.plain_steps,
+                                              r.stats.verified_tokens, r.stats.lookup_cycles)]
+    mine = mx.array(np.asarray(counted, dtype=np.float32).reshape(1, -1))
+    every = np.array(mx.distributed.all_gather(mine, group=ranks.group))
+    result["ranks_agree"] = bool((every == every[0]).all())
+    Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     sys.path.insert(0, str(Path(__file__).parents[1]))  # the launcher passes no PYTHONPATH
     _worker(*sys.argv[2:5])
 elif __name__ == "__main__" and sys.argv[1:2] == ["kv-worker"]:
     sys.path.insert(0, str(Path(__file__).parents[1]))
     _kv_worker(*sys.argv[2:6])
+elif __name__ == "__main__" and sys.argv[1:2] == ["batch-worker"]:
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    _batch_worker(*sys.argv[2:6])

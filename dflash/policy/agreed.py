@@ -24,6 +24,14 @@ why "``rows`` rows, ``k`` candidates" suffices before drafting. The engine asks 
 the generation's stream, so each message follows any pass queued there, on every rank alike.
 Policies whose plans depend on nothing rank-local (``fixed``, ``confidence``) are not wrapped
 (:func:`agreed`).
+
+The batched engine's ``auto`` (:class:`~dflash.policy.batch.BatchPolicy`: whether the batch
+drafts, how many rows, the pass's width and which rows verify their context's continuation) prices
+with the same timings and is agreed the same way (:func:`agreed_batch`): rank 0 decides, one
+message of ``2 + rows`` int32s per decision: before drafting, "draft ``n`` rows" or the width and
+continuation rows of a pass without a drafter; after drafting, the width and continuation rows. A
+row's continuation comes from its own text and its scope's index, the same on every rank (the
+server replays every call into each rank's scopes), so its tokens are not sent.
 """
 
 from __future__ import annotations
@@ -39,12 +47,16 @@ from .base import Candidates, Policy
 from .plan import Chain, Continuation, Outcome, Plain, Plan, Tree, Unverified
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..lookup import Match
+    from .batch import BatchPolicy
 
 # Message kinds
-DRAFT, PLAIN, CHAIN, TREE, CONTINUATION, UNVERIFIED, WORTH = range(1, 8)
+DRAFT, PLAIN, CHAIN, TREE, CONTINUATION, UNVERIFIED, WORTH, WIDTH_OF_PASS = range(1, 9)
 _NAMES = {DRAFT: "draft", PLAIN: "plain", CHAIN: "chain", TREE: "tree",
-          CONTINUATION: "continuation", UNVERIFIED: "unverified", WORTH: "lookup"}
+          CONTINUATION: "continuation", UNVERIFIED: "unverified", WORTH: "lookup",
+          WIDTH_OF_PASS: "width"}
 _KINDS = {Plain: PLAIN, Chain: CHAIN, Tree: TREE, Continuation: CONTINUATION}
 _SOURCES = ("context", "index")
 MAX_NODES = MAX_CHAIN + 1  # a tree of rival continuations, root included (drafted ones are smaller)
@@ -262,3 +274,108 @@ class PlanFollower(Policy):
         if not match:
             return False
         return bool(self._receive(WORTH)[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# The batched engine's policy
+
+
+def agreed_batch(policy: BatchPolicy, ranks: Channel | None) -> BatchPolicy:
+    """The batched engine's ``policy`` as the ranks of a sharded target run it: unchanged on one
+    process and for ``fixed`` (it prices nothing); else rank 0 decides and the others follow."""
+    from .batch import FixedBatchPolicy
+
+    if ranks is None or not getattr(ranks, "distributed", True) \
+            or isinstance(policy, FixedBatchPolicy):
+        return policy
+    return BatchLeader(policy, ranks) if ranks.is_main else BatchFollower(policy, ranks)
+
+
+def _own(rows: Sequence[tuple[Policy, np.ndarray | None]]) -> list:
+    """The rows' policies as rank 0 runs them (a sequence's policy on a sharded target is a
+    :class:`PlanLeader` around the one that prices), with their drafter confidences."""
+    return [(policy.inner if isinstance(policy, PlanLeader) else policy, conf)
+            for policy, conf in rows]
+
+
+class BatchLeader:
+    """Rank 0: the batch policy itself, each decision handed to the other ranks."""
+
+    def __init__(self, inner: BatchPolicy, ranks: Channel):
+        self.inner, self.ranks = inner, ranks
+
+    @property
+    def cost(self):
+        return self.inner.cost
+
+    @cost.setter
+    def cost(self, cost) -> None:
+        self.inner.cost = cost
+
+    def _send(self, rows: int, kind: int, a: int, use_look: Sequence[bool] = ()) -> None:
+        self.ranks.ints_from_main(np.array([kind, a, *map(int, use_look)]), 2 + rows)
+
+    def want_draft(self, rows, looked, context: int, cap: int) -> bool:
+        want = self.inner.want_draft(_own(rows), looked, context, cap)
+        if want:  # else told with the width of the pass without a drafter
+            self._send(len(rows), DRAFT, self.inner.draft_rows(cap))
+        return want
+
+    def draft_rows(self, cap: int) -> int:
+        return self.inner.draft_rows(cap)
+
+    def width_after_draft(self, rows, looked, context: int, drafted_rows: int
+                          ) -> tuple[int, list[bool]]:
+        width, use_look = self.inner.width_after_draft(_own(rows), looked, context, drafted_rows)
+        self._send(len(rows), WIDTH_OF_PASS, width, use_look)
+        return width, use_look
+
+    def width_without_draft(self, looked, context: int) -> tuple[int, list[bool]]:
+        width, use_look = self.inner.width_without_draft(looked, context)
+        self._send(len(looked), WIDTH_OF_PASS, width, use_look)
+        return width, use_look
+
+    def judge(self, rows, use_look, looked, committed: int, context: int, drafted_rows: int,
+              width: int) -> None:
+        self.inner.judge(_own(rows), use_look, looked, committed, context, drafted_rows, width)
+
+
+class BatchFollower:
+    """A rank other than 0: each of the batch's decisions is rank 0's; nothing is priced."""
+
+    def __init__(self, inner: BatchPolicy, ranks: Channel):
+        self.cost, self.ranks = inner.cost, ranks
+        self._rows = 0
+        self._width: tuple[int, list[bool]] = (1, [])
+
+    def _receive(self, rows: int, *kinds: int) -> tuple[int, int, list[bool]]:
+        message = self.ranks.ints_from_main(None, 2 + rows)
+        kind, a = int(message[0]), int(message[1])
+        if kind not in kinds:
+            raise RankLost(
+                f"the ranks are out of step: rank 0 sent a {_NAMES.get(kind, kind)!r} decision "
+                f"where this rank expected {' or '.join(repr(_NAMES[k]) for k in kinds)}")
+        return kind, a, [bool(x) for x in message[2:]]
+
+    def want_draft(self, rows, looked, context: int, cap: int) -> bool:
+        kind, a, use_look = self._receive(len(rows), DRAFT, WIDTH_OF_PASS)
+        if kind == DRAFT:
+            self._rows = a
+            return True
+        self._width = (a, use_look)
+        return False
+
+    def draft_rows(self, cap: int) -> int:
+        return self._rows
+
+    def width_after_draft(self, rows, looked, context: int, drafted_rows: int
+                          ) -> tuple[int, list[bool]]:
+        _, width, use_look = self._receive(len(rows), WIDTH_OF_PASS)
+        return width, use_look
+
+    def width_without_draft(self, looked, context: int) -> tuple[int, list[bool]]:
+        return self._width
+
+    def judge(self, rows, use_look, looked, committed: int, context: int, drafted_rows: int,
+              width: int) -> None:
+        return None

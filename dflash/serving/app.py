@@ -528,9 +528,10 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
     (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
     Under ``mlx.launch`` with a sharded target this is rank 0's server (the other ranks run
-    :func:`follow_server`; batches verify with ``fixed``); ``rank_timeout``: seconds without a
-    finished cycle before the other ranks count as gone. ``keepalive``: seconds between the SSE
-    comments a stream sends before its first output (:data:`KEEPALIVE`).
+    :func:`follow_server`; rank 0 plans every batch and generation, the others take its plans);
+    ``rank_timeout``: seconds without a finished cycle before the other ranks count as gone.
+    ``keepalive``: seconds between the SSE comments a stream sends before its first output
+    (:data:`KEEPALIVE`).
     """
     if not keepalive > 0:
         raise ServerConfigError(f"--keepalive {keepalive!r}: must be > 0 seconds")

@@ -7,12 +7,13 @@ before it makes it. A job run alone (the single-sequence engine): the prompt's t
 engine settings with the seed rank 0 chose, the scope whose index and prefix cache it uses; after
 each cycle, whether to go on (a client that left stops the generation on every rank at the same
 cycle); its ``auto`` or ``tree`` plans cross inside the engine, from rank 0's policy
-(:mod:`dflash.policy.agreed`). With ``max_concurrency`` above 1 the batched engine's calls are handed over the
-same way: its construction, each ``insert`` (with the seed rank 0 chose) and each ``step`` with
-the cancellations decided before it; the batch verifies with ``fixed``, whose plans do not depend
-on one rank's timings. The followers here replay those calls on their own copy of the scopes,
-which therefore hold the same text on every rank, and so prefill and draft alike. A failed step
-is not retried: the ranks may be out of step, so the server stops generating (``RankLost``).
+(:mod:`dflash.policy.agreed`). With ``max_concurrency`` above 1 the batched engine's calls are
+handed over the same way: its construction, each ``insert`` (with the seed rank 0 chose) and each
+``step`` with the cancellations decided before it; the batch's ``auto`` decisions (priced with
+rank 0's timings) cross inside the engine too (:func:`dflash.policy.agreed.agreed_batch`). The
+followers here replay those calls on their own copy of the scopes, which therefore hold the same
+text on every rank, and so prefill and draft alike. A failed step is not retried: the ranks may
+be out of step, so the server stops generating (``RankLost``).
 """
 
 from __future__ import annotations

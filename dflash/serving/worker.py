@@ -14,7 +14,7 @@ that asks for its own block size, verify policy, ``min_confidence`` or tree budg
 the batch's: it waits for the batch to drain and runs alone through the single-sequence engine
 (trees included). ``max_concurrency`` 1 is the single-sequence engine for every request.
 Given the ranks of a sharded target, the worker hands each engine call to the other ranks
-before it makes it (:mod:`.sharded`; the batch verifies with ``fixed``); a rank that is gone (a collective failed,
+before it makes it (:mod:`.sharded`); a rank that is gone (a collective failed,
 mlx.launch ended the launch, or no cycle finished for ``rank_timeout`` seconds) fails every open
 and later job with ``RankLost``.
 This module knows nothing of HTTP: a full queue raises ``QueueFull``, a cancelled job
@@ -346,11 +346,10 @@ class Worker:
         self.running.clear()
 
     def _new_batch(self) -> BatchGenerator:
-        """The batched engine (sharded: built on every rank, verifying with ``fixed``, a policy
-        that plans alike everywhere)."""
+        """The batched engine (sharded: built on every rank; its ``auto`` decides each pass on
+        rank 0 and the other ranks take the decisions, :func:`dflash.policy.agreed.agreed_batch`)."""
         policy = "auto"
         if self.ranks is not None:
-            policy = "fixed"
             distributed.call_to_followers(self.ranks, {
                 "op": "batch", "max_batch": self.max_concurrency, "block_size": self.block_size,
                 "policy": policy})
