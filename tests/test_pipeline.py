@@ -157,9 +157,9 @@ def test_chat_with_pipeline(pipeline_pair, pipeline_hello):
 @pytest.mark.slow
 def test_serve_with_pipeline(pipeline_pair, pipeline_hello, tmp_path):
     """``dflash serve --pipeline`` on two ranks: rank 0 serves, rank 1 follows. A greedy chat
-    completion, streamed or not, three at once (the batched engine on both stages) or run alone
-    with ``auto`` (rank 0's plans), is ``generate``'s answer; seeded sampled requests
-    reproduce."""
+    completion, streamed or not, alone (the batch's only row: ``auto``'s plans from rank 0),
+    three at once (the batched engine's ``auto`` on both stages: rank 0's decisions) or run alone
+    with ``fixed``, is ``generate``'s answer; seeded sampled requests reproduce."""
     openai = pytest.importorskip("openai")
     target, draft = pipeline_pair
     with serving(target, draft, tmp_path, "--pipeline") as (_, base, logs):
@@ -177,8 +177,11 @@ def test_serve_with_pipeline(pipeline_pair, pipeline_hello, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             together = list(pool.map(lambda _: answer(), range(3)))
         assert together == [pipeline_hello] * 3, logs()
-        assert answer(extra_body={"policy": "auto"}) == pipeline_hello, logs()
-        sampled = [answer(temperature=0.9, seed=3) for _ in range(2)]
+        assert answer(extra_body={"policy": "fixed"}) == pipeline_hello, logs()
+        # Seeded, without lookups (the earlier answers in the scope's index are continuations
+        # a cycle may verify, which changes its draws, as on one process).
+        sampled = [answer(temperature=0.9, seed=3, extra_body={"lookup": False})
+                   for _ in range(2)]
         assert sampled[0] == sampled[1]
 
 
@@ -194,6 +197,104 @@ def test_bench_with_pipeline(pipeline_pair):
     assert run.stdout.count("target sharded pipeline-parallel (by layers) over 2 ranks") == 1, \
         run.stdout
     assert run.stdout.count("speed-up") == 1 and "identical at T=0: yes" in run.stdout
+
+
+def split_keys(model, draft) -> dict[str, str]:
+    """The pass costs' key of ``model`` (loaded whole in this process) with ``draft``: unsplit,
+    split over 2 ranks tensor-parallel, by layers over 2 and over 4 ranks (as each rank of such a
+    launch computes it)."""
+    import dataclasses
+    from unittest import mock
+
+    from dflash import cost_model as costs
+    from dflash import distributed
+    from dflash.target import Stage, pipeline_starts, target_parts
+
+    parts = target_parts(model)
+    keys = {"one process": costs.cost_key(parts, draft)}
+    with mock.patch.object(distributed, "shard_count", lambda _: 2):
+        keys["tensor 2"] = costs.cost_key(parts, draft)
+    for n in (2, 4):
+        staged = dataclasses.replace(parts, stage=Stage(0, n, pipeline_starts(n, parts.num_layers),
+                                                        parts.num_layers, None))
+        keys[f"layers {n}"] = costs.cost_key(staged, draft)
+    return keys
+
+
+def test_pass_costs_are_keyed_by_split(loaded_pair):
+    """A split by layers costs otherwise than a tensor-parallel one over as many ranks, and both
+    than one process: each stores (and reads) its calibration and learnt costs under a key of
+    its own."""
+    model, _, draft = loaded_pair("qwen3_5")
+    keys = split_keys(model, draft)
+    assert len(set(keys.values())) == len(keys), keys
+
+
+@pytest.mark.slow
+def test_calibrate_with_pipeline(pipeline_pair, tmp_path):
+    """``dflash calibrate --pipeline`` on two ranks: the passes are measured once, split by
+    layers, and stored under the key of a 2-rank split by layers (not one process's, nor the
+    tensor-parallel split's); a later ``--pipeline`` launch reads them instead of measuring."""
+    from dflash import cost_model as costs
+    from dflash.model_mlx import load, load_draft
+
+    target, draft = pipeline_pair
+    home = tmp_path / "home"
+    command = ("-m", "dflash", "calibrate", "--model", str(target), "--draft", str(draft),
+               "--pipeline")
+    first = launch(*command, env={"DFLASH_HOME": str(home)})
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("measuring this machine's verify and draft costs") == 1, \
+        first.stderr
+    (stored,) = (home / "calibration").glob("*.json")
+    model = costs._read(stored, stored.stem)
+    assert model is not None and model.verify(16) > 0
+    assert stored.stem == split_keys(load(str(target))[0], load_draft(str(draft)))["layers 2"]
+    again = launch(*command, env={"DFLASH_HOME": str(home)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "measuring" not in again.stderr and f"calibration {stored}" in again.stderr
+    assert again.stdout.startswith(costs.format_table(model)), again.stdout
+
+
+@pytest.mark.slow
+def test_batch_auto_with_pipeline(pipeline_pair, tmp_path):
+    """The batched engine's ``auto`` split by layers: rank 0 decides each pass, rank 1 takes its
+    decisions; three prompts batched give mlx-lm's pipeline greedy tokens for each alone, under
+    ``auto`` and ``fixed``, and the ranks count the same plans."""
+    from test_sharded import assert_batches_match, batch_results
+
+    target, draft = pipeline_pair
+    assert_batches_match(batch_results(tmp_path, target, draft, "pipeline"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_serve_with_pipeline_when_a_stage_goes(pipeline_pair, tmp_path, how):
+    """``dflash serve --pipeline`` on two ranks, rank 1 (the stage of the first layers) killed
+    or stopped (SIGSTOP: no collective fails; ``--rank-timeout 5``) mid-stream: the open stream
+    ends with an error naming rank 1 within 30 s, a new request and ``/health`` get a 503
+    naming it, and rank 0 exits (as tensor-parallel, ``test_sharded.py``)."""
+    import os
+    import signal
+
+    from test_sharded import assert_everybody_hears, long_stream_then, rank_pid
+
+    target, draft = pipeline_pair
+    killed = how == "killed"
+    extra = () if killed else ("--rank-timeout", "5")
+    message = "rank 1 of the sharded target" if killed else \
+        "no answer from rank 1 of the sharded target"
+    with serving(target, draft, tmp_path, "--pipeline", *extra) as (proc, base, logs):
+        follower = rank_pid(proc.pid, 1)
+        assert follower is not None
+        try:
+            tail, took = long_stream_then(
+                base, lambda: os.kill(follower, signal.SIGKILL if killed else signal.SIGSTOP),
+                logs)
+            assert_everybody_hears(base, proc, logs, message, tail, took)
+        finally:
+            if not killed:
+                os.kill(follower, signal.SIGCONT)  # mlx.launch waits for it to take its SIGTERM
 
 
 @pytest.mark.slow
