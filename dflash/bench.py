@@ -6,6 +6,11 @@ first, the order alternates between prompts and repeats, and both are timed the 
 clock to the first token = prompt time; the rest = decode time). At temperature 0 the outputs must
 be identical token for token; the report says whether they were.
 
+With ``reuse_prefill`` (the context bench's mode) each side prefills a prompt once and every
+repeat decodes from a copy of those caches: at long context a prefill takes minutes, and two
+decodes minutes apart on a shared machine measure its drift (±20 % here) more than either side;
+decodes seconds apart, alternating, measure the sides.
+
 ``run_bench(...)`` returns everything as a dict and, given ``out``, writes ``bench.json``,
 ``bench.md``, ``speedup.png`` and ``acceptance.png`` there.
 
@@ -98,9 +103,11 @@ def load_prompts(prompts: str | Path | Sequence[dict] = "builtin",
 
 
 def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: int,
-                  kv: dict | None = None) -> dict:
+                  kv: dict | None = None, prompt_cache: list | None = None,
+                  cached: int = 0) -> dict:
     """mlx-lm's plain decoding of the target (``mlx_lm.generate.stream_generate``; ``kv``: its
-    quantized KV cache settings)."""
+    quantized KV cache settings; ``prompt_cache``: mlx-lm's caches, holding the first
+    ``cached`` tokens of ``ids`` already)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -112,8 +119,8 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
     tokens: list[int] = []
     tic = time.perf_counter()
     first = None
-    for r in lm_stream_generate(pair.model, pair.tokenizer, list(ids), max_tokens=max_tokens,
-                                sampler=sampler, **(kv or {})):
+    for r in lm_stream_generate(pair.model, pair.tokenizer, list(ids[cached:]), max_tokens=max_tokens,
+                                sampler=sampler, prompt_cache=prompt_cache, **(kv or {})):
         if first is None:
             first = time.perf_counter()
         if r.finish_reason is None or r.finish_reason == "length":
@@ -146,6 +153,55 @@ def _run_dflash(pair, ids: list[int], max_tokens: int, block_size: int | None, s
     out.update(generation_stats(last, rounded=False),
                cycle_tokens=last.mean_tau * last.cycles)
     return out
+
+
+class Prefilled:
+    """Each side's caches after prefilling one prompt once (``reuse_prefill``), copied for every
+    decode, with the prefill's time and peak. mlx-lm's hold the prompt but its last token,
+    computed in its own chunks (its decoding of the whole prompt, trimmed); dflash's are its
+    prompt cache, which feeds the last token again (as a conversation's next turn does)."""
+
+    def __init__(self, pair, ids: list[int], sampling: dict, seed: int):
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .prompt_cache import PromptCache
+
+        self.held_before = mx.get_active_memory()
+        self.baseline = make_prompt_cache(pair.model)
+        r = _run_baseline(pair, ids, 1, sampling, seed, prompt_cache=self.baseline)
+        for c in self.baseline:
+            c.trim(c.offset - (len(ids) - 1))
+        self.baseline_prompt_time, self.baseline_peak = r["prompt_time"], r["peak_memory_gb"]
+        self.dflash = PromptCache()
+        held = self.held_gb()
+        r = _run_dflash(pair, ids, 0, None, sampling, seed, prompt_cache=self.dflash)
+        self.dflash_prompt_time, self.dflash_peak = r["prompt_time"], r["peak_memory_gb"] - held
+
+    @staticmethod
+    def possible(pair, kv: dict | None) -> bool:
+        """Whether both sides' caches can be copied and cut back: attention-only targets, float
+        caches (a quantized cache's content depends on where its prompt switched)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return not kv and all(c.is_trimmable() for c in make_prompt_cache(pair.model))
+
+    def held_gb(self) -> float:
+        """Memory this bench holds beyond what a lone generation would (the copies kept here):
+        taken off each peak, so that peaks compare as if each run were alone."""
+        import mlx.core as mx
+
+        return (mx.get_active_memory() - self.held_before) / 1e9
+
+    def baseline_cache(self) -> list:
+        import copy
+
+        return copy.deepcopy(self.baseline)
+
+    def dflash_cache(self):
+        import copy
+
+        return copy.deepcopy(self.dflash)
 
 
 def _timing(tokens: list[int], tic: float, first: float, end: float) -> dict:
@@ -219,6 +275,10 @@ def _summarise_prompt(item: dict, n_prompt: int, base_runs: list[dict], runs: li
             "priced_ms": priced,
         },
         "speedup": d_tps / b_tps if b_tps > 0 else None,
+        # Each repeat's own (its mlx-lm run against its dflash run): the spread of the above.
+        "repeat_speedups": [_ratio(b["decode_time"] / max(b["decode_tokens"], 1),
+                                   d["decode_time"] / max(d["decode_tokens"], 1))
+                            for b, d in zip(base_runs, runs)],
         "priced_speedup": plain_priced / priced if priced else None,
         "identical": identical,
         "first_difference": first_diff,
@@ -295,13 +355,15 @@ def run_bench(model: str | None = None, draft: str | None = None,
               pair=None, min_confidence: float | None = None,
               policy: str | None = None, tree_budget: int | None = None,
               lookup: bool = True, pair_memory: str | Path | None = None,
-              kv: dict | None = None) -> dict:
+              kv: dict | None = None, reuse_prefill: bool = False) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
     ``pair`` (a :class:`dflash.pair.Pair`) skips loading; otherwise ``model``/``draft`` are loaded
     (the built-in pair where ``None``). The ``auto`` policy's runs share one pair memory, empty
     at the start unless ``pair_memory`` names a file (read, and saved back at the end). ``kv``:
     the target's quantized KV cache settings (``kv_bits``, ...), for both engines.
+    ``reuse_prefill``: each side prefills a prompt once and its repeats decode from copies (see
+    the module doc; attention-only targets with float caches, else ignored).
     """
     say = log or (lambda _msg: None)
     if isinstance(block_sizes, (list, tuple)) and None in block_sizes:
@@ -359,24 +421,54 @@ def run_bench(model: str | None = None, draft: str | None = None,
     total = repeats * len(items) * (1 + len(sizes))
     done = 0
     tic = time.perf_counter()
-    for rep in range(repeats):
-        for i, (item, ids) in enumerate(zip(items, encoded)):
-            order: list[int | None] = [None, *sizes]  # None: the baseline
-            if (rep + i) % 2:
-                order.reverse()
-            for which in order:
-                done += 1
-                if which is None:
+    reuse_prefill = reuse_prefill and Prefilled.possible(pair, kv)
+    # Prompts outer with reused prefills (each prompt's caches live through its repeats only),
+    # repeats outer otherwise.
+    schedule = ([(rep, i) for i in range(len(items)) for rep in range(repeats)] if reuse_prefill
+                else [(rep, i) for rep in range(repeats) for i in range(len(items))])
+    prefilled = None
+    for rep, i in schedule:
+        item, ids = items[i], encoded[i]
+        if reuse_prefill and rep == 0:
+            prefilled = None  # the previous prompt's caches go first
+            say(f"{item['id']}: prefilling {len(ids)} tokens on each side ...")
+            prefilled = Prefilled(pair, ids, sampling, seed)
+        order: list[int | None] = [None, *sizes]  # None: the baseline
+        if (rep + i) % 2:
+            order.reverse()
+        for which in order:
+            done += 1
+            if which is None:
+                if prefilled is None:
                     r = _run_baseline(pair, ids, max_tokens, sampling, seed, kv)
-                    base_runs[i].append(r)
-                    what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
                 else:
-                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed, min_confidence,
-                                    policy, tree_budget, lookup, pair_memory, kv=kv)
-                    runs[which][i].append(r)
-                    what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
-                            f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
-                say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
+                    held = prefilled.held_gb()
+                    r = _run_baseline(pair, ids, max_tokens, sampling, seed,
+                                      prompt_cache=prefilled.baseline_cache(),
+                                      cached=len(ids) - 1)
+                    r.update(prompt_time=prefilled.baseline_prompt_time,
+                             peak_memory_gb=max(r["peak_memory_gb"] - held,
+                                                prefilled.baseline_peak))
+                base_runs[i].append(r)
+                what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
+            else:
+                if prefilled is None:
+                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed,
+                                    min_confidence, policy, tree_budget, lookup, pair_memory,
+                                    kv=kv)
+                else:
+                    held = prefilled.held_gb()
+                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed,
+                                    min_confidence, policy, tree_budget, lookup, pair_memory,
+                                    prompt_cache=prefilled.dflash_cache())
+                    r.update(prompt_time=prefilled.dflash_prompt_time,
+                             peak_memory_gb=max(r["peak_memory_gb"] - held,
+                                                prefilled.dflash_peak))
+                runs[which][i].append(r)
+                what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
+                        f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
+            say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
+    prefilled = None
     elapsed = time.perf_counter() - tic
     pair_memory.save()
     from .policy import policy_class
@@ -411,7 +503,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
             "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory, "kv": kv or None,
-            "elapsed_s": elapsed, "ranks": ranks.size,
+            "elapsed_s": elapsed, "ranks": ranks.size, "reuse_prefill": reuse_prefill,
             "split": distributed.split_name(pair.model) if ranks.distributed else None},
         "runs": result_runs,
         "identical": all(identical) if greedy else None,

@@ -544,6 +544,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.trace is not None or args.tau or args.bound or args.concurrency is not None
             or args.context is not None):
         single_process_only("dflash bench with --trace, --tau, --bound, --concurrency or --context")
+    if args.repeats is None:  # a context bench prefills once per prompt: its repeats are cheap
+        args.repeats = 3 if args.context is not None else 1
     from .bench import (
         format_concurrency,
         format_summary,
@@ -839,7 +841,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="with --concurrency: the batched engine's max batch (default N); "
                         "--concurrency 1 --max-batch 4 compares one client through the batched "
                         "engine with the single-sequence engine")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (default 1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per prompt (default 1; with --context 3: each side prefills "
+                        "a prompt once and its repeats decode from copies of those caches)")
     add_draft_window_arg(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="(default 0)")

@@ -6,8 +6,15 @@ and that memory grows with it. This bench puts unrelated real text before each p
 set so that every prompt holds ``length - max_tokens`` tokens ("8k": 7,936 prompt tokens + 256
 generated for SmolLM2's 8,192 positions), then runs the ordinary bench (mlx-lm and dflash
 alternating on the same token ids, greedy outputs compared) at each length, with the context's
-continuations and without, and reports per length: decode speed-up, priced speed-up, τ, the
-drafter's share of the cycle time, prefill time of each side and peak memory of each side.
+continuations and without, and reports per length: decode speed-up (and the range of the
+repeats' own), priced speed-up, τ, the drafter's share of the cycle time, prefill time of each
+side and peak memory of each side.
+
+Each side prefills a prompt once and every repeat decodes from a copy of its caches
+(``run_bench(reuse_prefill=True)``): an 8k prefill takes minutes here, and decodes that far apart
+measured the machine's drift more than the two sides (the same 8k decode, interleaved in one
+process, ran 0.87-1.28x mlx-lm's from one repeat to the next; the bench's repeats are seconds
+apart and their median is reported).
 
 The text put first is the plain-text documentation of a few standard-library modules (pydoc, as
 every Python installation can render it): real English prose with code words, which the answers
@@ -138,17 +145,24 @@ def run_context_bench(lengths: Sequence[int], *, pair, prompts, max_tokens: int,
             say(f"context {length}: {len(padded)} prompts of ~{length - max_tokens} tokens"
                 f"{'' if lookup else ', continuations off'}")
             result = run_bench(pair=pair, prompts=padded, max_tokens=max_tokens,
-                               lookup=lookup, warmup=i == 0 and lookup, log=say, **bench_kwargs)
+                               lookup=lookup, warmup=i == 0 and lookup, log=say,
+                               reuse_prefill=True, **bench_kwargs)
             overall = result["runs"][0]["overall"]
             prompts_ = result["runs"][0]["prompts"]
             cycle = overall["draft_time"] + overall["verify_time"]
+            spread = [x for p in prompts_ for x in p["repeat_speedups"] if x is not None]
             row["lookup" if lookup else "no_lookup"] = {
                 "speedup": overall["speedup"], "priced_speedup": overall["priced_speedup"],
+                "speedup_range": [min(spread), max(spread)] if spread else None,
+                "reused_prefill": result["config"]["reuse_prefill"],
                 "tau": overall["tau"], "lookup_share": overall["lookup_share"],
                 "plain_share": overall["plain_share"],
                 "drafter_share": overall["draft_time"] / cycle if cycle > 0 else None,
-                "baseline_prefill_s": overall["baseline_prompt_time"] / len(prompts_),
-                "dflash_prefill_s": overall["dflash_prompt_time"] / len(prompts_),
+                # Each prompt's median prefill, averaged over the prompts.
+                "baseline_prefill_s": sum(p["baseline"]["prompt_time"]
+                                          for p in prompts_) / len(prompts_),
+                "dflash_prefill_s": sum(p["dflash"]["prompt_time"]
+                                        for p in prompts_) / len(prompts_),
                 "baseline_peak_gb": max(p["baseline"].get("peak_memory_gb") or 0.0
                                         for p in prompts_),
                 "dflash_peak_gb": max(p["dflash"]["peak_memory_gb"] for p in prompts_),
@@ -163,17 +177,22 @@ def run_context_bench(lengths: Sequence[int], *, pair, prompts, max_tokens: int,
 
 
 def format_context_summary(result: dict) -> str:
-    """One line per context length."""
-    lines = ["context  speed-up (priced)  no-lookup  τ      drafter  prefill s mlx-lm/dflash"
-             "  peak GB mlx-lm/dflash  identical"]
+    """One line per context length (speed-ups: over all repeats, and the repeats' range)."""
+    lines = ["context  speed-up [repeats] (priced)     no-lookup [repeats]      τ      drafter  "
+             "prefill s mlx-lm/dflash  peak GB mlx-lm/dflash  identical"]
+
+    def x(v):
+        return "   -  " if v is None else f"{v:5.2f}×"
+
+    def span(arm):
+        r = arm.get("speedup_range") if arm else None
+        return "[     -     ]" if not r else f"[{r[0]:4.2f}-{r[1]:4.2f}]"
+
     for row in result["rows"]:
         on, off = row["lookup"], row.get("no_lookup")
-
-        def x(v):
-            return "   -  " if v is None else f"{v:5.2f}×"
         lines.append(
-            f"{row['context']:>7}  {x(on['speedup'])} ({x(on['priced_speedup'])})"
-            f"   {x(off['speedup']) if off else '   -  '}  {on['tau']:5.2f}  "
+            f"{row['context']:>7}  {x(on['speedup'])} {span(on)} ({x(on['priced_speedup'])})"
+            f"   {x(off['speedup']) if off else '   -  '} {span(off)}  {on['tau']:5.2f}  "
             f"{(on['drafter_share'] or 0) * 100:5.1f} %  "
             f"{on['baseline_prefill_s']:6.2f} / {on['dflash_prefill_s']:6.2f}     "
             f"{on['baseline_peak_gb']:5.2f} / {on['dflash_peak_gb']:5.2f}        "

@@ -68,7 +68,46 @@ def test_the_context_bench_runs_each_length_with_and_without_continuations(pair)
             assert r["baseline_prefill_s"] > 0 and r["dflash_prefill_s"] > 0
             assert r["baseline_peak_gb"] > 0 and r["dflash_peak_gb"] > 0
             assert 0 <= r["drafter_share"] <= 1
+            assert r["reused_prefill"] is True
+            low, high = r["speedup_range"]
+            assert 0 < low <= high
         assert row["no_lookup"]["lookup_share"] == 0.0
+
+
+def test_repeats_decode_from_one_prefill_per_side_and_match_fresh_runs(pair, monkeypatch,
+                                                                       tiny_pair, loaded_pair):
+    """``reuse_prefill``: each side prefills a prompt once; every repeat decodes from a copy of
+    its caches and gives the tokens a fresh run gives (both sides, greedy)."""
+    from dflash import bench
+
+    prefills = []
+    real = bench.Prefilled.__init__
+
+    def counted(self, *args, **kwargs):
+        prefills.append(args[1])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench.Prefilled, "__init__", counted)
+    kwargs = dict(pair=pair, prompts=PROMPTS, max_tokens=20, block_sizes="4", warmup=False)
+    fresh = bench.run_bench(repeats=1, **kwargs)
+    reused = bench.run_bench(repeats=3, reuse_prefill=True, **kwargs)
+    assert reused["config"]["reuse_prefill"] is True and fresh["config"]["reuse_prefill"] is False
+    assert len(prefills) == len(PROMPTS)  # once per prompt, not per repeat
+    assert reused["identical"] is True
+    for a, b in zip(fresh["runs"][0]["prompts"], reused["runs"][0]["prompts"]):
+        assert a["text"] == b["text"] and a["generated_tokens"] == b["generated_tokens"]
+        assert len(b["repeat_speedups"]) == 3 and all(x > 0 for x in b["repeat_speedups"])
+        assert b["baseline"]["prompt_time"] > 0 and b["dflash"]["prompt_time"] > 0
+        assert b["baseline"]["peak_memory_gb"] > 0 and b["dflash"]["peak_memory_gb"] > 0
+    # A recurrent cache cannot be cut back (nor a quantized one's switch moved): those prefill
+    # every run instead.
+    target, draft = tiny_pair("qwen3_5")
+    model, tokenizer, d = loaded_pair("qwen3_5")
+    hybrid = Pair(model, tokenizer, d, str(target), str(draft))
+    kwargs.update(pair=hybrid, prompts=PROMPTS[:1])
+    assert bench.run_bench(reuse_prefill=True, **kwargs)["config"]["reuse_prefill"] is False
+    assert bench.Prefilled.possible(pair, None)
+    assert not bench.Prefilled.possible(pair, {"kv_bits": 8, "quantized_kv_start": 0})
 
 
 def test_a_context_past_the_targets_positions_is_refused_before_loading(tmp_path):
