@@ -675,8 +675,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     With ``--compare-learned``: first one generation that learns the costs from nothing, then
     its learnt costs against the calibration."""
     from . import cost_model as costs  # MLX loads only for the commands that run models
+    from .distributed import launch_rank
     from .target import target_parts
 
+    # Under mlx.launch every rank measures (its collectives are the pass's); rank 0 writes --out.
+    writes_out = args.out is not None and launch_rank() == 0
     pair = load_pair(args.model, args.draft, log=log)
     parts = target_parts(pair.model)
     learned = _learn_from_one_generation(pair, parts, args) if args.compare_learned else None
@@ -699,10 +702,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         table = costs.compare_learned(learned, model)
         print("\nlearnt in one generation from the prior, against the calibration:", flush=True)
         print(costs.format_comparison(table), flush=True)
-        if args.out is not None:
+        if writes_out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "compare-learned.json").write_text(json.dumps(table, indent=1))
-    if args.out is not None:
+    if writes_out:
         files = costs.write_calibration(model, args.out)
         log("wrote " + ", ".join(str(p) for p in files.values()))
     return 0

@@ -72,12 +72,12 @@ def pipeline_pair(tmp_path_factory):
     return target, draft
 
 
-def worker_runs(target: Path, draft: Path, out: Path) -> list[dict]:
-    """Both ranks' ``_worker`` results for the pair split by layers over two ranks."""
-    run = launch(__file__, "worker", str(target), str(draft), str(out))
-    assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file() for r in range(2)), \
-        run.stderr[-3000:]
-    return [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(2)]
+def worker_runs(target: Path, draft: Path, out: Path, ranks: int = 2) -> list[dict]:
+    """Every rank's ``_worker`` results for the pair split by layers over ``ranks`` ranks."""
+    run = launch(__file__, "worker", str(target), str(draft), str(out), ranks=ranks)
+    assert run.returncode == 0 and all(out.with_suffix(f".{r}.json").is_file()
+                                       for r in range(ranks)), run.stderr[-3000:]
+    return [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,20 @@ def test_two_stages_match_mlx_lm_pipeline(pipeline_runs):
         assert got["stage"] == [[2, 0], 4], "not mlx-lm's split of 4 layers over 2 ranks"
         assert got["taps_unsplit"], "taps differ from one unsplit process's"
     assert_ranks_match_mlx_lm(pipeline_runs)
+
+
+@pytest.mark.slow
+def test_three_stages_match_mlx_lm_pipeline(pipeline_pair, tmp_path):
+    """Three ranks (three machines' worth of stages): mlx-lm splits the 4 layers 2/1/1, so rank
+    1 is a middle stage that receives from rank 2 and sends to rank 0 in every pass, and the two
+    taps (layers 0 and 2) live on the first and the last stage. Every policy's greedy tokens are
+    mlx-lm's own three-stage generation's in the same launch; the taps one unsplit process's."""
+    target, draft = pipeline_pair
+    runs = worker_runs(target, draft, tmp_path / "worker", ranks=3)
+    for got in runs:
+        assert got["stage"] == [[2, 1, 0], 4], "not mlx-lm's split of 4 layers over 3 ranks"
+        assert got["taps_unsplit"], "taps differ from one unsplit process's"
+    assert_ranks_match_mlx_lm(runs)
 
 
 @pytest.mark.slow
@@ -242,10 +256,12 @@ def test_calibrate_with_pipeline(pipeline_pair, tmp_path):
     home = tmp_path / "home"
     command = ("-m", "dflash", "calibrate", "--model", str(target), "--draft", str(draft),
                "--pipeline")
-    first = launch(*command, env={"DFLASH_HOME": str(home)})
+    first = launch(*command, "--out", str(tmp_path / "out"), env={"DFLASH_HOME": str(home)})
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stderr.count("measuring this machine's verify and draft costs") == 1, \
         first.stderr
+    # Every rank measures; rank 0 alone writes --out.
+    assert first.stderr.count("wrote ") == 1 and (tmp_path / "out" / "calibration.json").is_file()
     (stored,) = (home / "calibration").glob("*.json")
     model = costs._read(stored, stored.stem)
     assert model is not None and model.verify(16) > 0

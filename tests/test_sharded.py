@@ -106,12 +106,12 @@ def worker_results(tmp_path: Path, target: Path, draft: Path) -> list[dict]:
 
 
 def assert_ranks_match_mlx_lm(ranks: list[dict], tree: bool = False) -> None:
-    """What two ranks of a split target must show (tensor-parallel or by layers): every policy's
+    """What the ranks of a split target must show (tensor-parallel or by layers): every policy's
     greedy tokens equal to mlx-lm's own split generation in the same launch, a seeded sampled run
-    reproduced, and both ranks with the same taps, tokens and plans (``tree``: the tree policy's
+    reproduced, and every rank with the same taps, tokens and plans (``tree``: the tree policy's
     too)."""
     for r, got in enumerate(ranks):
-        assert got["size"] == 2 and got["rank"] == r
+        assert got["size"] == len(ranks) and got["rank"] == r
         assert got["taps_equal"], "tapped hidden states differ between the ranks"
         assert got["dflash_greedy"] == got["mlx_lm_greedy"], f"rank {r}"
         assert got["dflash_penalised"] == got["mlx_lm_penalised"], f"rank {r}"
@@ -122,9 +122,10 @@ def assert_ranks_match_mlx_lm(ranks: list[dict], tree: bool = False) -> None:
         assert got["sampled"][0] == got["sampled"][1], "a seeded sampled run did not reproduce"
         assert got["ranks_agree"], "the ranks generated different tokens"
         assert got["plans_agree"], "the ranks verified different plans"
-    assert ranks[0]["dflash_greedy"] == ranks[1]["dflash_greedy"]
-    assert ranks[0]["sampled"] == ranks[1]["sampled"]
-    assert ranks[0]["plans"] == ranks[1]["plans"]
+    for other in ranks[1:]:
+        assert other["dflash_greedy"] == ranks[0]["dflash_greedy"]
+        assert other["sampled"] == ranks[0]["sampled"]
+        assert other["plans"] == ranks[0]["plans"]
 
 
 @pytest.mark.slow
