@@ -119,8 +119,9 @@ def _run_baseline(pair, ids: list[int], max_tokens: int, sampling: dict, seed: i
     tokens: list[int] = []
     tic = time.perf_counter()
     first = None
-    for r in lm_stream_generate(pair.model, pair.tokenizer, list(ids[cached:]), max_tokens=max_tokens,
-                                sampler=sampler, prompt_cache=prompt_cache, **(kv or {})):
+    for r in lm_stream_generate(pair.model, pair.tokenizer, list(ids[cached:]),
+                                max_tokens=max_tokens, sampler=sampler, prompt_cache=prompt_cache,
+                                **(kv or {})):
         if first is None:
             first = time.perf_counter()
         if r.finish_reason is None or r.finish_reason == "length":
@@ -193,15 +194,26 @@ class Prefilled:
 
         return (mx.get_active_memory() - self.held_before) / 1e9
 
-    def baseline_cache(self) -> list:
+    def run_baseline(self, pair, ids: list[int], max_tokens: int, sampling: dict,
+                     seed: int) -> dict:
+        """:func:`_run_baseline` from a copy of mlx-lm's caches, timed as if alone."""
         import copy
 
-        return copy.deepcopy(self.baseline)
+        held = self.held_gb()
+        r = _run_baseline(pair, ids, max_tokens, sampling, seed,
+                          prompt_cache=copy.deepcopy(self.baseline), cached=len(ids) - 1)
+        return r | {"prompt_time": self.baseline_prompt_time,
+                    "peak_memory_gb": max(r["peak_memory_gb"] - held, self.baseline_peak)}
 
-    def dflash_cache(self):
+    def run_dflash(self, *args) -> dict:
+        """:func:`_run_dflash` (its positional ``args``) from a copy of dflash's prompt cache,
+        timed as if alone."""
         import copy
 
-        return copy.deepcopy(self.dflash)
+        held = self.held_gb()
+        r = _run_dflash(*args, prompt_cache=copy.deepcopy(self.dflash))
+        return r | {"prompt_time": self.dflash_prompt_time,
+                    "peak_memory_gb": max(r["peak_memory_gb"] - held, self.dflash_peak)}
 
 
 def _timing(tokens: list[int], tic: float, first: float, end: float) -> dict:
@@ -439,31 +451,14 @@ def run_bench(model: str | None = None, draft: str | None = None,
         for which in order:
             done += 1
             if which is None:
-                if prefilled is None:
-                    r = _run_baseline(pair, ids, max_tokens, sampling, seed, kv)
-                else:
-                    held = prefilled.held_gb()
-                    r = _run_baseline(pair, ids, max_tokens, sampling, seed,
-                                      prompt_cache=prefilled.baseline_cache(),
-                                      cached=len(ids) - 1)
-                    r.update(prompt_time=prefilled.baseline_prompt_time,
-                             peak_memory_gb=max(r["peak_memory_gb"] - held,
-                                                prefilled.baseline_peak))
+                r = (_run_baseline(pair, ids, max_tokens, sampling, seed, kv) if prefilled is None
+                     else prefilled.run_baseline(pair, ids, max_tokens, sampling, seed))
                 base_runs[i].append(r)
                 what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
             else:
-                if prefilled is None:
-                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed,
-                                    min_confidence, policy, tree_budget, lookup, pair_memory,
-                                    kv=kv)
-                else:
-                    held = prefilled.held_gb()
-                    r = _run_dflash(pair, ids, max_tokens, which, sampling, seed,
-                                    min_confidence, policy, tree_budget, lookup, pair_memory,
-                                    prompt_cache=prefilled.dflash_cache())
-                    r.update(prompt_time=prefilled.dflash_prompt_time,
-                             peak_memory_gb=max(r["peak_memory_gb"] - held,
-                                                prefilled.dflash_peak))
+                args = (pair, ids, max_tokens, which, sampling, seed, min_confidence, policy,
+                        tree_budget, lookup, pair_memory)
+                r = _run_dflash(*args, kv=kv) if prefilled is None else prefilled.run_dflash(*args)
                 runs[which][i].append(r)
                 what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
                         f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")

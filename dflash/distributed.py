@@ -477,7 +477,8 @@ def split_name(model) -> str:
 
 def describe(ranks: Ranks, pipeline: bool = False) -> str:
     """One line for the log: how the target is split."""
-    return f"target sharded {_split_words(pipeline)} over {ranks.size} ranks (this is rank {ranks.rank})"
+    return (f"target sharded {_split_words(pipeline)} over {ranks.size} ranks "
+            f"(this is rank {ranks.rank})")
 
 
 # The split ``dflash`` commands load a sharded target with when their caller does not say

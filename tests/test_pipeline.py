@@ -86,12 +86,18 @@ def pipeline_runs(pipeline_pair, tmp_path_factory):
     return worker_runs(target, draft, tmp_path_factory.mktemp("pipeline-runs") / "worker")
 
 
+def assert_stages_match_mlx_lm(runs: list[dict], starts: list[int]) -> None:
+    """Every rank holds mlx-lm's stage of the 4 layers (``starts``: each rank's first layer), its
+    taps are one unsplit process's, and every rank's output is mlx-lm's own split generation's."""
+    for got in runs:
+        assert got["stage"] == [starts, 4], f"not mlx-lm's split of 4 layers over {len(runs)} ranks"
+        assert got["taps_unsplit"], "taps differ from one unsplit process's"
+    assert_ranks_match_mlx_lm(runs)
+
+
 @pytest.mark.slow
 def test_two_stages_match_mlx_lm_pipeline(pipeline_runs):
-    for got in pipeline_runs:
-        assert got["stage"] == [[2, 0], 4], "not mlx-lm's split of 4 layers over 2 ranks"
-        assert got["taps_unsplit"], "taps differ from one unsplit process's"
-    assert_ranks_match_mlx_lm(pipeline_runs)
+    assert_stages_match_mlx_lm(pipeline_runs, [2, 0])
 
 
 @pytest.mark.slow
@@ -101,11 +107,8 @@ def test_three_stages_match_mlx_lm_pipeline(pipeline_pair, tmp_path):
     taps (layers 0 and 2) live on the first and the last stage. Every policy's greedy tokens are
     mlx-lm's own three-stage generation's in the same launch; the taps one unsplit process's."""
     target, draft = pipeline_pair
-    runs = worker_runs(target, draft, tmp_path / "worker", ranks=3)
-    for got in runs:
-        assert got["stage"] == [[2, 1, 0], 4], "not mlx-lm's split of 4 layers over 3 ranks"
-        assert got["taps_unsplit"], "taps differ from one unsplit process's"
-    assert_ranks_match_mlx_lm(runs)
+    assert_stages_match_mlx_lm(worker_runs(target, draft, tmp_path / "worker", ranks=3),
+                               [2, 1, 0])
 
 
 @pytest.mark.slow
@@ -120,11 +123,7 @@ def test_qwen3_next_two_stages_match_mlx_lm_pipeline(tmp_path):
 
     target = indexed(write_qwen3_next(tmp_path / "target"))
     draft = tiny_models.write_drafter(tmp_path / "draft", target, taps=(0, 2))
-    runs = worker_runs(target, draft, tmp_path / "worker")
-    for got in runs:
-        assert got["stage"] == [[2, 0], 4], "not mlx-lm's split of 4 layers over 2 ranks"
-        assert got["taps_unsplit"], "taps differ from one unsplit process's"
-    assert_ranks_match_mlx_lm(runs)
+    assert_stages_match_mlx_lm(worker_runs(target, draft, tmp_path / "worker"), [2, 0])
 
 
 @pytest.mark.slow
