@@ -23,13 +23,13 @@ source won each pass.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .files import write_atomic
 from .stats import generation_stats
 
 # A small built-in prompt set, written for this project: grade-school math word problems (where
@@ -366,7 +366,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
               out: str | Path | None = None, log: Callable[[str], None] | None = None,
               pair=None, min_confidence: float | None = None,
               policy: str | None = None, tree_budget: int | None = None,
-              lookup: bool = True, pair_memory: str | Path | None = None,
+              lookup: bool | Sequence[bool] = True, pair_memory: str | Path | None = None,
               kv: dict | None = None, reuse_prefill: bool = False) -> dict:
     """Benchmark DFlash against mlx-lm on the same target and prompt tokens; see the module doc.
 
@@ -375,7 +375,10 @@ def run_bench(model: str | None = None, draft: str | None = None,
     at the start unless ``pair_memory`` names a file (read, and saved back at the end). ``kv``:
     the target's quantized KV cache settings (``kv_bits``, ...), for both engines.
     ``reuse_prefill``: each side prefills a prompt once and its repeats decode from copies (see
-    the module doc; attention-only targets with float caches, else ignored).
+    the module doc; attention-only targets with float caches, else ignored). ``lookup``: the
+    context's continuations on or off, or both (``(True, False)``): one run per block size and
+    setting, each with its own pair memory, all decoding from the same prefill and timed
+    against the same mlx-lm decodes (``pair_memory`` is read by each; the first saves it).
     """
     say = log or (lambda _msg: None)
     if isinstance(block_sizes, (list, tuple)) and None in block_sizes:
@@ -403,6 +406,10 @@ def run_bench(model: str | None = None, draft: str | None = None,
         ranks, {"policy": policy, "min_confidence": min_confidence, "seed": seed})["policy"]
     sizes = [b or pair.draft.block_size for b in block_sizes]
     sizes = list(dict.fromkeys(sizes))
+    lookups = list(dict.fromkeys([lookup] if isinstance(lookup, bool) else lookup))
+    if not lookups or not all(isinstance(x, bool) for x in lookups):
+        raise ValueError(f"lookup={lookup!r}: must be True, False or a sequence of them")
+    arms = [(bs, lk) for lk in lookups for bs in sizes]
 
     policy_used = policy or ("auto" if min_confidence is None else "confidence")
     from .prompts import encode_prompt
@@ -417,20 +424,21 @@ def run_bench(model: str | None = None, draft: str | None = None,
     # here are seeded, and a seeded generation never uses the memory: the same seed must give
     # the same text.)
     rows = pair.draft.block_size - 1
-    pair_memory = PairMemory(rows) if pair_memory is None else PairMemory.open(pair_memory, rows)
-    memory = pair_memory.source if greedy else "not used (seeded sampling)"
+    memories = {lk: PairMemory(rows) if pair_memory is None else PairMemory.open(pair_memory, rows)
+                for lk in lookups}
+    memory = memories[lookups[0]].source if greedy else "not used (seeded sampling)"
     say(f"pair memory: {memory}")
     if warmup:
         say("warming up ...")
         n = min(16, max_tokens)
         _run_baseline(pair, encoded[0], n, sampling, seed, kv)
-        for bs in sizes:
+        for bs, lk in arms:
             _run_dflash(pair, encoded[0], n, bs, sampling, seed, min_confidence, policy,
-                        tree_budget, lookup, pair_memory, kv=kv)
+                        tree_budget, lk, memories[lk], kv=kv)
 
     base_runs: list[list[dict]] = [[] for _ in items]
-    runs: dict[int, list[list[dict]]] = {bs: [[] for _ in items] for bs in sizes}
-    total = repeats * len(items) * (1 + len(sizes))
+    runs: dict[tuple[int, bool], list[list[dict]]] = {arm: [[] for _ in items] for arm in arms}
+    total = repeats * len(items) * (1 + len(arms))
     done = 0
     tic = time.perf_counter()
     reuse_prefill = reuse_prefill and Prefilled.possible(pair, kv)
@@ -445,7 +453,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
             prefilled = None  # the previous prompt's caches go first
             say(f"{item['id']}: prefilling {len(ids)} tokens on each side ...")
             prefilled = Prefilled(pair, ids, sampling, seed)
-        order: list[int | None] = [None, *sizes]  # None: the baseline
+        order: list[tuple[int, bool] | None] = [None, *arms]  # None: the baseline
         if (rep + i) % 2:
             order.reverse()
         for which in order:
@@ -456,32 +464,35 @@ def run_bench(model: str | None = None, draft: str | None = None,
                 base_runs[i].append(r)
                 what = f"mlx-lm: {len(r['tokens'])} tokens, {r['decode_tps']:.1f} tok/s"
             else:
-                args = (pair, ids, max_tokens, which, sampling, seed, min_confidence, policy,
-                        tree_budget, lookup, pair_memory)
+                bs, lk = which
+                args = (pair, ids, max_tokens, bs, sampling, seed, min_confidence, policy,
+                        tree_budget, lk, memories[lk])
                 r = _run_dflash(*args, kv=kv) if prefilled is None else prefilled.run_dflash(*args)
                 runs[which][i].append(r)
-                what = (f"dflash block {which}: {len(r['tokens'])} tokens, "
+                arm = "" if len(lookups) == 1 else f", continuations {'on' if lk else 'off'}"
+                what = (f"dflash block {bs}{arm}: {len(r['tokens'])} tokens, "
                         f"{r['decode_tps']:.1f} tok/s, τ {r['mean_tau']:.2f}")
             say(f"[{done}/{total}] {item['id']} (repeat {rep + 1}/{repeats}) {what}")
     prefilled = None
     elapsed = time.perf_counter() - tic
-    pair_memory.save()
+    memories[lookups[0]].save()
     from .policy import policy_class
 
     plain_ms = _plain_pricer(pair) if policy_class(policy_used).needs_cost else None
 
     result_runs = []
-    for bs in sizes:
+    for bs, lk in arms:
         per_prompt = []
         for i, item in enumerate(items):
-            p = _summarise_prompt(item, len(encoded[i]), base_runs[i], runs[bs][i], greedy,
+            p = _summarise_prompt(item, len(encoded[i]), base_runs[i], runs[bs, lk][i], greedy,
                                   plain_ms)
-            p["text"] = pair.tokenizer.decode(runs[bs][i][-1]["tokens"])
+            p["text"] = pair.tokenizer.decode(runs[bs, lk][i][-1]["tokens"])
             per_prompt.append(p)
         overall = _overall(per_prompt)
         for p in per_prompt:
             p.pop("_totals")
-        result_runs.append({"block_size": bs, "prompts": per_prompt, "overall": overall})
+        result_runs.append({"block_size": bs, "lookup": lk, "prompts": per_prompt,
+                            "overall": overall})
     identical = [r["overall"]["identical"] for r in result_runs]
     from .cost_model import cost_model
     from .cost_model import report as cost_report
@@ -497,7 +508,8 @@ def run_bench(model: str | None = None, draft: str | None = None,
             "repeats": repeats, "warmup": warmup, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "seed": seed, "chat_template": chat_template,
             "block_sizes": sizes, "policy": policy_used, "min_confidence": min_confidence,
-            "tree_budget": tree_budget, "lookup": lookup, "pair_memory": memory, "kv": kv or None,
+            "tree_budget": tree_budget, "lookup": lookups[0] if len(lookups) == 1 else lookups,
+            "pair_memory": memory, "kv": kv or None,
             "elapsed_s": elapsed, "ranks": ranks.size, "reuse_prefill": reuse_prefill,
             "split": distributed.split_name(pair.model) if ranks.distributed else None},
         "runs": result_runs,
@@ -509,7 +521,7 @@ def run_bench(model: str | None = None, draft: str | None = None,
         k: best["overall"][k] for k in ("tau", "speedup", "baseline_tokens_per_s",
                                         "dflash_tokens_per_s")}}
     if greedy and not result["identical"]:
-        bad = [f"{p['id']} (block {r['block_size']}, token {p['first_difference']})"
+        bad = [f"{p['id']} ({_arm(r)}, token {p['first_difference']})"
                for r in result_runs for p in r["prompts"] if p["identical"] is False]
         say("WARNING: greedy outputs differ from mlx-lm's on " + ", ".join(bad))
     if out is not None and ranks.is_main:
@@ -597,13 +609,13 @@ def markdown(result: dict) -> str:
                   "|---:|---:|---:|---:|---:|:---:|"]
         for r in result["runs"]:
             o = r["overall"]
-            lines.append(f"| {r['block_size']} | {_f(o['tau'])} | "
+            lines.append(f"| {_arm(r)[len('block '):]} | {_f(o['tau'])} | "
                          f"{_f(o['baseline_tokens_per_s'], 1)} | {_f(o['dflash_tokens_per_s'], 1)} | "
                          f"{_f(o['speedup'], 2, '×')} | {_same(o['identical'])} |")
         lines.append("")
     for r in result["runs"]:
         o = r["overall"]
-        lines += [f"## Block size {r['block_size']}", "",
+        lines += [f"## Block size {_arm(r)[len('block '):]}", "",
                   "| prompt | prompt tokens | tokens | mlx-lm tok/s | dflash tok/s | speed-up | τ "
                   "| prompt time mlx-lm / dflash (s) | identical |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -637,6 +649,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _arm(run: dict) -> str:
+    """A run's name: ``block 16``, or ``block 16, continuations off``."""
+    return f"block {run['block_size']}" + ("" if run.get("lookup", True) else
+                                            ", continuations off")
+
+
 def format_summary(result: dict) -> str:
     """A few lines for the terminal."""
     out = []
@@ -647,7 +665,7 @@ def format_summary(result: dict) -> str:
     for r in result["runs"]:
         o = r["overall"]
         priced = f" (priced {o['priced_speedup']:.2f}×)" if o.get("priced_speedup") else ""
-        out.append(f"block {r['block_size']}: τ {_f(o['tau'])}, mlx-lm "
+        out.append(f"{_arm(r)}: τ {_f(o['tau'])}, mlx-lm "
                    f"{_f(o['baseline_tokens_per_s'], 1)} tok/s, dflash "
                    f"{_f(o['dflash_tokens_per_s'], 1)} tok/s, speed-up {_f(o['speedup'], 2, '×')}"
                    f"{priced}, {o.get('rows_per_pass', 0.0):.1f} rows/pass, "
@@ -695,7 +713,7 @@ def plot(result: dict, out: Path) -> dict[str, Path]:
     for k, r in enumerate(runs):
         xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(ids))]
         ax.bar(xs, [p["speedup"] or 0.0 for p in r["prompts"]], width,
-               label=f"block {r['block_size']} (all: {_f(r['overall']['speedup'], 2, '×')})")
+               label=f"{_arm(r)} (all: {_f(r['overall']['speedup'], 2, '×')})")
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(ids)))
     ax.set_xticklabels(ids, rotation=30, ha="right")
@@ -711,7 +729,7 @@ def plot(result: dict, out: Path) -> dict[str, Path]:
     for r in runs:
         acc = r["overall"]["acceptance_by_position"]
         ax.plot(range(1, len(acc) + 1), acc, marker="o",
-                label=f"block {r['block_size']} (τ {_f(r['overall']['tau'])})")
+                label=f"{_arm(r)} (τ {_f(r['overall']['tau'])})")
     ax.set_xlabel("draft position in the block")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
@@ -1242,19 +1260,13 @@ def trace_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_trace_outputs(result: dict, out: str | Path,
                         log: Callable[[str], None] | None = None) -> dict[str, Path]:
     """``bench.json`` (every per-turn row) and ``bench.md`` (the table) in ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "bench.json", "markdown": out / "bench.md"}
-    _write_atomic(files["json"], json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(files["markdown"], trace_markdown(result))
+    write_atomic(files["json"], json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(files["markdown"], trace_markdown(result))
     (log or (lambda _msg: None))("wrote " + ", ".join(str(p) for p in files.values()))
     return files

@@ -21,6 +21,7 @@ from . import __version__
 from .backend import configure, env_flag
 from .console import PROG, log, one_line
 from .errors import CLIError, DFlashError
+from .files import write_atomic
 from .pair import Pair, load_pair
 from .policy import POLICIES
 from .stats import generation_stats
@@ -614,19 +615,21 @@ def _bench_contexts(args: argparse.Namespace) -> int:
 
     lengths = parse_contexts(args.context)  # before any model is loaded
     pair = load_pair_for(args)
-    result = run_context_bench(
-        lengths, pair=pair, prompts=args.prompts, max_tokens=args.max_tokens, limit=args.limit,
-        say=log, lookup_off=True, repeats=args.repeats, block_sizes=args.block_size,
-        chat_template=not args.no_chat_template, system=args.system, policy=args.policy,
-        tree_budget=args.tree_budget, min_confidence=args.min_confidence,
-        kv=kv_kwargs(args))
-    print(format_context_summary(result), flush=True)
-    if args.out is not None:
+
+    def save(result: dict) -> None:  # after every length: a run stopped later keeps them
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "contexts.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_atomic(out / "contexts.json", json.dumps(result, indent=1, default=str) + "\n")
         with contextlib.suppress(ImportError):
             plot_contexts(result, out / "contexts.png")
+
+    result = run_context_bench(
+        lengths, pair=pair, prompts=args.prompts, max_tokens=args.max_tokens, limit=args.limit,
+        say=log, lookups=(False,) if args.no_lookup else (True, False), repeats=args.repeats,
+        block_sizes=args.block_size, chat_template=not args.no_chat_template,
+        system=args.system, policy=args.policy, tree_budget=args.tree_budget,
+        min_confidence=args.min_confidence, kv=kv_kwargs(args),
+        on_row=None if args.out is None else save)
+    print(format_context_summary(result), flush=True)
     return 0
 
 
@@ -827,8 +830,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--context", default=None, metavar="LENGTHS",
                    help="the prompts at each context length, e.g. 512,2k,4k,8k (prompt + "
                         "--max-tokens; unrelated documentation text put first): speed-up with "
-                        "and without continuations, τ, drafter share, prefill time and peak "
-                        "memory per length (docs/long-context.md)")
+                        "and without continuations (only without: --no-lookup), τ, drafter "
+                        "share, prefill time and peak memory per length; with --out, "
+                        "contexts.json is written after each length (docs/long-context.md)")
     p.add_argument("--limit", type=int, default=None,
                    help="use only the first N prompts (with --trace: conversations)")
     p.add_argument("--block-size", default=None,

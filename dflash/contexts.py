@@ -119,9 +119,13 @@ def at_context(items: Sequence[dict], length: int, max_tokens: int, encode: Call
 
 def run_context_bench(lengths: Sequence[int], *, pair, prompts, max_tokens: int,
                       limit: int | None = None, say: Callable[[str], None] = lambda _m: None,
-                      lookup_off: bool = True, **bench_kwargs) -> dict:
-    """:func:`dflash.bench.run_bench` at each context length, with continuations and, where
-    ``lookup_off``, without; one row per length."""
+                      lookups: Sequence[bool] = (True, False),
+                      on_row: Callable[[dict], None] | None = None, **bench_kwargs) -> dict:
+    """:func:`dflash.bench.run_bench` at each context length, with the context's continuations
+    and without (``lookups``: which of the two), both decoding from the same prefills and timed
+    against the same mlx-lm decodes; one row per length. ``on_row``: called with the result so
+    far after each length (an 8k row takes many minutes: a run stopped later keeps the rows it
+    finished)."""
     from .bench import load_prompts, run_bench
     from .prompts import encode_prompt
 
@@ -131,53 +135,60 @@ def run_context_bench(lengths: Sequence[int], *, pair, prompts, max_tokens: int,
     def encode(item: dict) -> list[int]:
         return encode_prompt(pair.tokenizer, item, **template)
 
-    limit_positions = pair.max_context
+    lookups = list(dict.fromkeys(lookups))
+    if pair.max_context is not None and max(lengths) > pair.max_context:  # before any work
+        raise GenerationConfigError(
+            f"--context {max(lengths)}: the target reads {pair.max_context} positions")
     filler = filler_text()
     # Warm both engines up on the first prompt as it is (a warm-up at the first length would
     # prefill it there: minutes at 8k, more over a quantized cache).
     run_bench(pair=pair, prompts=items[:1], max_tokens=min(16, max_tokens), log=lambda _m: None,
-              **(bench_kwargs | {"repeats": 1}))
-    rows = []
+              lookup=lookups, **(bench_kwargs | {"repeats": 1}))
+    rows: list[dict] = []
+
+    def summary(rows: list[dict]) -> dict:
+        return {"config": {"contexts": list(lengths), "max_tokens": max_tokens,
+                           "filler": f"pydoc of {', '.join(FILLER_MODULES)} "
+                                     f"(Python {platform.python_version()})",
+                           "n_prompts": len(items), "kv": bench_kwargs.get("kv") or None,
+                           "lookups": list(lookups)},
+                "rows": list(rows)}
+
     for length in lengths:
-        if limit_positions is not None and length > limit_positions:
-            raise GenerationConfigError(
-                f"--context {length}: the target reads {limit_positions} positions")
         padded = at_context(items, length, max_tokens, encode, pair.tokenizer, filler)
         row: dict = {"context": length,
                      "prompt_tokens": [len(encode(p)) for p in padded]}
-        for lookup in ((True, False) if lookup_off else (True,)):
-            say(f"context {length}: {len(padded)} prompts of ~{length - max_tokens} tokens"
-                f"{'' if lookup else ', continuations off'}")
-            result = run_bench(pair=pair, prompts=padded, max_tokens=max_tokens,
-                               lookup=lookup, warmup=False, log=say,
-                               reuse_prefill=True, **bench_kwargs)
-            overall = result["runs"][0]["overall"]
-            prompts_ = result["runs"][0]["prompts"]
-            cycle = overall["draft_time"] + overall["verify_time"]
-            spread = [x for p in prompts_ for x in p["repeat_speedups"] if x is not None]
-            row["lookup" if lookup else "no_lookup"] = {
-                "speedup": overall["speedup"], "priced_speedup": overall["priced_speedup"],
-                "speedup_range": [min(spread), max(spread)] if spread else None,
-                "reused_prefill": result["config"]["reuse_prefill"],
-                "tau": overall["tau"], "lookup_share": overall["lookup_share"],
-                "plain_share": overall["plain_share"],
-                "drafter_share": overall["draft_time"] / cycle if cycle > 0 else None,
-                # Each prompt's median prefill, averaged over the prompts.
-                "baseline_prefill_s": sum(p["baseline"]["prompt_time"]
-                                          for p in prompts_) / len(prompts_),
-                "dflash_prefill_s": sum(p["dflash"]["prompt_time"]
-                                        for p in prompts_) / len(prompts_),
-                "baseline_peak_gb": max(p["baseline"].get("peak_memory_gb") or 0.0
-                                        for p in prompts_),
-                "dflash_peak_gb": max(p["dflash"]["peak_memory_gb"] for p in prompts_),
-                "identical": result["identical"],
-            }
+        say(f"context {length}: {len(padded)} prompts of ~{length - max_tokens} tokens, "
+            f"continuations {'/'.join('on' if lk else 'off' for lk in lookups)}")
+        result = run_bench(pair=pair, prompts=padded, max_tokens=max_tokens, lookup=lookups,
+                           warmup=False, log=say, reuse_prefill=True, **bench_kwargs)
+        for run in result["runs"]:
+            row["lookup" if run["lookup"] else "no_lookup"] = _arm_row(run, result)
         rows.append(row)
-    return {"config": {"contexts": list(lengths), "max_tokens": max_tokens,
-                       "filler": f"pydoc of {', '.join(FILLER_MODULES)} "
-                                 f"(Python {platform.python_version()})",
-                       "n_prompts": len(items), "kv": bench_kwargs.get("kv") or None},
-            "rows": rows}
+        if on_row is not None:
+            on_row(summary(rows))
+    return summary(rows)
+
+
+def _arm_row(run: dict, result: dict) -> dict:
+    """One arm (continuations on or off) of one length's bench run."""
+    overall, prompts = run["overall"], run["prompts"]
+    cycle = overall["draft_time"] + overall["verify_time"]
+    spread = [x for p in prompts for x in p["repeat_speedups"] if x is not None]
+    return {
+        "speedup": overall["speedup"], "priced_speedup": overall["priced_speedup"],
+        "speedup_range": [min(spread), max(spread)] if spread else None,
+        "reused_prefill": result["config"]["reuse_prefill"],
+        "tau": overall["tau"], "lookup_share": overall["lookup_share"],
+        "plain_share": overall["plain_share"],
+        "drafter_share": overall["draft_time"] / cycle if cycle > 0 else None,
+        # Each prompt's median prefill, averaged over the prompts.
+        "baseline_prefill_s": sum(p["baseline"]["prompt_time"] for p in prompts) / len(prompts),
+        "dflash_prefill_s": sum(p["dflash"]["prompt_time"] for p in prompts) / len(prompts),
+        "baseline_peak_gb": max(p["baseline"].get("peak_memory_gb") or 0.0 for p in prompts),
+        "dflash_peak_gb": max(p["dflash"]["peak_memory_gb"] for p in prompts),
+        "identical": run["overall"]["identical"],
+    }
 
 
 def format_context_summary(result: dict) -> str:
@@ -193,14 +204,16 @@ def format_context_summary(result: dict) -> str:
         return "[     -     ]" if not r else f"[{r[0]:4.2f}-{r[1]:4.2f}]"
 
     for row in result["rows"]:
-        on, off = row["lookup"], row.get("no_lookup")
+        on, off = row.get("lookup"), row.get("no_lookup")
+        first = on or off  # the shared columns (prefill, peaks) from the first arm run
+        identical = all(arm["identical"] for arm in (on, off) if arm)
         lines.append(
-            f"{row['context']:>7}  {x(on['speedup'])} {span(on)} ({x(on['priced_speedup'])})"
-            f"   {x(off['speedup']) if off else '   -  '} {span(off)}  {on['tau']:5.2f}  "
-            f"{(on['drafter_share'] or 0) * 100:5.1f} %  "
-            f"{on['baseline_prefill_s']:6.2f} / {on['dflash_prefill_s']:6.2f}     "
-            f"{on['baseline_peak_gb']:5.2f} / {on['dflash_peak_gb']:5.2f}        "
-            f"{on['identical']}")
+            f"{row['context']:>7}  {x(on and on['speedup'])} {span(on)} "
+            f"({x(on and on['priced_speedup'])})   {x(off and off['speedup'])} {span(off)}  "
+            f"{first['tau']:5.2f}  {(first['drafter_share'] or 0) * 100:5.1f} %  "
+            f"{first['baseline_prefill_s']:6.2f} / {first['dflash_prefill_s']:6.2f}     "
+            f"{first['baseline_peak_gb']:5.2f} / {first['dflash_peak_gb']:5.2f}        "
+            f"{identical}")
     return "\n".join(lines)
 
 
@@ -213,11 +226,11 @@ def plot_contexts(result: dict, path) -> None:
 
     xs = [r["context"] for r in result["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [r["lookup"]["speedup"] or 0 for r in result["rows"]], marker="o",
-            label="auto (continuations on)")
-    if all("no_lookup" in r for r in result["rows"]):
-        ax.plot(xs, [r["no_lookup"]["speedup"] or 0 for r in result["rows"]], marker="s",
-                label="continuations off")
+    for arm, marker, label in (("lookup", "o", "auto (continuations on)"),
+                               ("no_lookup", "s", "continuations off")):
+        if all(arm in r for r in result["rows"]):
+            ax.plot(xs, [r[arm]["speedup"] or 0 for r in result["rows"]], marker=marker,
+                    label=label)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (prompt + generated tokens)")

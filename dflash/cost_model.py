@@ -48,6 +48,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from .console import log, say_once
 from .errors import MissingDependencyError
+from .files import write_atomic
 
 FORMAT = "dflash-cost/2"
 LEARNED_FORMAT = "dflash-learned-cost/1"
@@ -370,7 +371,7 @@ class PassCosts:
                 return
             self._dirty, self._saved_at = False, time.monotonic()
         try:
-            _write_atomic(self.path, json.dumps(self.to_dict()) + "\n")
+            write_atomic(self.path, json.dumps(self.to_dict()) + "\n")
         except OSError as e:
             say_once("unwritable", f"cannot save the learnt pass costs in {self.path.parent} "
                       f"({e}); keeping them in memory for this process")
@@ -601,13 +602,6 @@ def _read(path: Path, key: str) -> CostModel | None:
     return model
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def calibrate(parts, draft, refresh: bool = False, quiet: bool = False, kv=None) -> CostModel:
     """The measured cost table of this (target, drafter) on this machine (``dflash calibrate``):
     the stored one, or measured now and stored; from now on it is what the policy prices with
@@ -618,7 +612,7 @@ def calibrate(parts, draft, refresh: bool = False, quiet: bool = False, kv=None)
     if model is None:
         model = measure(parts, draft, quiet=quiet, kv=kv)
         try:
-            _write_atomic(path, to_json(model))
+            write_atomic(path, to_json(model))
         except OSError as e:
             say_once("unwritable", f"cannot save the calibration in {path.parent} ({e}); "
                       "keeping it in memory for this process")

@@ -17,6 +17,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from .files import write_json_atomic
+
 BUILTIN = "builtin"
 QUANTIZED = " 6-bit"
 
@@ -130,7 +132,5 @@ def run_from_args(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "tau.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(out / "tau.json")
+        write_json_atomic(out / "tau.json", result)
     return 0 if result["identical"] else 1

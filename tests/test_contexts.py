@@ -57,9 +57,13 @@ def test_each_prompt_is_padded_to_its_length_before_the_question(pair):
 
 @pytest.mark.slow
 def test_the_context_bench_runs_each_length_with_and_without_continuations(pair):
+    saved = []
     result = run_context_bench([256, 512], pair=pair, prompts=PROMPTS, max_tokens=16, limit=1,
-                               block_sizes="4")
+                               block_sizes="4", on_row=saved.append)
     assert [r["context"] for r in result["rows"]] == [256, 512]
+    # What a run stopped during a later length keeps: every finished length, after each.
+    assert [[r["context"] for r in s["rows"]] for s in saved] == [[256], [256, 512]]
+    assert saved[-1] == result
     for row in result["rows"]:
         assert all(abs(n - (row["context"] - 16)) <= 2 for n in row["prompt_tokens"])
         for side in ("lookup", "no_lookup"):
@@ -72,6 +76,14 @@ def test_the_context_bench_runs_each_length_with_and_without_continuations(pair)
             low, high = r["speedup_range"]
             assert 0 < low <= high
         assert row["no_lookup"]["lookup_share"] == 0.0
+        # Both arms decode from the same prefills: one prefill time per side.
+        for side in ("baseline_prefill_s", "dflash_prefill_s"):
+            assert row["lookup"][side] == row["no_lookup"][side]
+    # Continuations off only (`--no-lookup`).
+    off = run_context_bench([256], pair=pair, prompts=PROMPTS, max_tokens=16, limit=1,
+                            block_sizes="4", lookups=(False,))
+    assert set(off["rows"][0]) == {"context", "prompt_tokens", "no_lookup"}
+    assert off["rows"][0]["no_lookup"]["identical"] is True
 
 
 def test_repeats_decode_from_one_prefill_per_side_and_match_fresh_runs(pair, monkeypatch,
@@ -108,6 +120,38 @@ def test_repeats_decode_from_one_prefill_per_side_and_match_fresh_runs(pair, mon
     assert bench.run_bench(reuse_prefill=True, **kwargs)["config"]["reuse_prefill"] is False
     assert bench.Prefilled.possible(pair, None)
     assert not bench.Prefilled.possible(pair, {"kv_bits": 8, "quantized_kv_start": 0})
+
+
+def test_arms_with_and_without_continuations_share_prefills_and_mlx_lm_decodes(pair,
+                                                                              monkeypatch):
+    """``run_bench(lookup=(True, False))``: one prefill per prompt and side, one mlx-lm decode
+    per repeat for both arms, each arm its own run (and its own pair memory), both exact."""
+    from dflash import bench
+
+    calls = {"prefill": 0, "baseline": 0}
+    real_init, real_base = bench.Prefilled.__init__, bench.Prefilled.run_baseline
+
+    def init(self, *args, **kwargs):
+        calls["prefill"] += 1
+        real_init(self, *args, **kwargs)
+
+    def base(self, *args, **kwargs):
+        calls["baseline"] += 1
+        return real_base(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench.Prefilled, "__init__", init)
+    monkeypatch.setattr(bench.Prefilled, "run_baseline", base)
+    result = bench.run_bench(pair=pair, prompts=PROMPTS, max_tokens=12, block_sizes="4",
+                             warmup=False, repeats=2, reuse_prefill=True, lookup=(True, False))
+    assert calls == {"prefill": len(PROMPTS), "baseline": 2 * len(PROMPTS)}
+    assert [(r["block_size"], r["lookup"]) for r in result["runs"]] == [(4, True), (4, False)]
+    assert result["config"]["lookup"] == [True, False] and result["identical"] is True
+    on, off = result["runs"]
+    assert off["overall"]["lookup_share"] == 0.0
+    assert [p["text"] for p in on["prompts"]] == [p["text"] for p in off["prompts"]]
+    assert "continuations off" in bench.format_summary(result)
+    with pytest.raises(ValueError, match="lookup"):
+        bench.run_bench(pair=pair, prompts=PROMPTS, max_tokens=4, lookup=(), warmup=False)
 
 
 def test_a_context_past_the_targets_positions_is_refused_before_loading(tmp_path):

@@ -15,7 +15,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dflash"
 
 # Module names relative to the package; a trailing ".*" names a subpackage and all its modules.
 LAYERS: dict[str, set[str]] = {
-    "base": {"errors", "console", "backend", "workers", "ranks", "distributed"},
+    "base": {"errors", "console", "files", "backend", "workers", "ranks", "distributed"},
     "model": {"target", "drafter", "checkpoint", "sampling", "prompts", "gguf_import",
               "default_pair", "tree", "lookup", "dflash2", "ragged_cache"},
     # What to verify each cycle and what it costs: pure decisions, below the engines that run them.

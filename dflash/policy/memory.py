@@ -26,10 +26,8 @@ Exactness never depends on any of it: the memory only steers how much is drafted
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -40,6 +38,7 @@ import numpy as np
 
 from ..backend import env_flag
 from ..console import one_line, say_once
+from ..files import write_atomic
 from .calibration import BINS, RIVAL_PRIORS, AcceptanceModel, Calibration, NodeCalibration
 from .plan import Continuation, Outcome
 
@@ -169,19 +168,14 @@ class PairMemory:
 
     def _save(self) -> None:
         path, self._saved_at = self.path, time.monotonic()
-        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self._to_dict()) + "\n")
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(self._to_dict()) + "\n")
             self._dirty = False
         except OSError as e:
             say_once(f"unwritable {path.parent}",
                      f"cannot save the pair's memory in {path.parent} ({e}); keeping it in this "
                      "process")
-            self.path = None
-            with contextlib.suppress(OSError):  # nothing half-written stays behind
-                tmp.unlink()
+            self.path = None  # (write_atomic leaves nothing half-written behind)
 
     def _to_dict(self) -> dict:
         from ..cost_model import machine_id

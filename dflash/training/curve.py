@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from ..errors import DataSetError
+from ..files import write_atomic
 
 Evaluation = tuple[float, int, float, dict[str, float]]
 
@@ -190,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                         targets=tuple(float(t) for t in a.targets.split(",") if t), **common)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     md = a.out.with_suffix(".md")
-    md.with_suffix(".tmp").write_text(text)
-    md.with_suffix(".tmp").replace(md)
+    write_atomic(md, text)
     plot_curve(evals, a.out.with_suffix(".png"), **common)
     print(text, end="")
     return 0

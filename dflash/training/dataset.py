@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataSetError
+from ..files import write_json_atomic
 
 MANIFEST = "dataset.json"
 FORMAT = "dflash-data/2"
@@ -47,9 +48,7 @@ def check_manifest(out: Path, manifest: dict) -> None:
     """Write ``dataset.json`` on first use; refuse a folder made with another target or taps."""
     path = out / MANIFEST
     if not path.is_file():
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, manifest)
         return
     try:
         have = json.loads(path.read_text())

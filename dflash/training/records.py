@@ -35,6 +35,7 @@ from pathlib import Path
 from ..console import log
 from ..default_pair import cache_dir, default_target_path
 from ..errors import DataSetError, DFlashError
+from ..files import write_atomic, write_json_atomic
 from ..prompts import encode_prompt
 from .shards import ShardStore, iter_records, prompt_key, publish
 from .sources import WEIGHTS, build_sources, heldout_sets, interleave, stdlib_files
@@ -116,12 +117,6 @@ def _seal_request(store: ShardStore, request: Path) -> Callable[[], None]:
     return check
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _bucket(n: int) -> int:
     return next(i for i, (most, _) in enumerate(BUCKETS) if n <= most or i == len(BUCKETS) - 1)
 
@@ -155,7 +150,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
     pause, stop = home / "PAUSE", home / "STOP"
     seal = _seal_request(store, home / "SEAL")
     if pid_file:
-        _write_json(home / "datagen.pid.json", {"pid": os.getpid(), "started": time.time()})
+        write_json_atomic(home / "datagen.pid.json", {"pid": os.getpid(), "started": time.time()})
         (home / "datagen.pid").write_text(f"{os.getpid()}\n")
     if magpie and sources is None:
         magpie_stage(target, magpie, home=home, repo=repo or default_repo(), pause=pause)
@@ -195,7 +190,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
                      records_per_cpu_hour=round(made / cpu * 3600, 1) if cpu else None,
                      records_per_wall_hour=round(made / wall * 3600, 1) if wall else None,
                      finished=done, store=store.status(), pid=os.getpid(), updated=time.time())
-        _write_json(work / "status.json", stats)
+        write_json_atomic(work / "status.json", stats)
         return stats
 
     try:
@@ -262,7 +257,6 @@ def magpie_stage(target: str, n: int, *, home: Path, repo: Path, pause: Path,
     ``<repo>/prompts/magpie-0001.jsonl.gz``, the held-out 5 % as
     ``datasets/<pair>/heldout/chat-magpie-0001.jsonl``. Skipped when the file exists."""
     from .magpie import write_user_turns
-    from .shards import _write_atomic
     from .sources import magpie_steer, read_jsonl_any
 
     final = repo / "prompts" / "magpie-0001.jsonl.gz"
@@ -282,10 +276,10 @@ def magpie_stage(target: str, n: int, *, home: Path, repo: Path, pause: Path,
                          prefix="magpie", batch_size=64)
     rows = read_jsonl_any(out)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(final, gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(),
-                                       mtime=0))
+    write_atomic(final, gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(),
+                                      mtime=0))
     held_final = REPO / "datasets" / PAIR / "heldout" / "chat-magpie-0001.jsonl"
-    _write_json_text(held_final, held.read_text() if held.is_file() else "")
+    write_atomic(held_final, held.read_text() if held.is_file() else "")
     log(f"records: {len(rows)} magpie turns -> {final}; held out -> {held_final}")
     return final
 
@@ -345,16 +339,10 @@ def write_heldout(out: str | Path | None = None, target: str | None = None) -> l
         if path.is_file() and path.read_text() != text:
             raise DataSetError(f"{path}: already written with other prompts; held-out splits are "
                                "fixed once (remove it only if nothing was measured on it)")
-        _write_json_text(path, text)
+        write_atomic(path, text)
         written.append(path)
         log(f"records: {len(items)} held-out {name} prompts -> {path}")
     return written
-
-
-def _write_json_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

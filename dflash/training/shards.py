@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DataSetError
+from ..files import write_atomic
 from .jsonl import open_append
 
 MANIFEST = "manifest.json"
@@ -43,20 +44,6 @@ NAME = re.compile(r"^(?P<domain>[a-z0-9_]+)-(?P<num>\d{4,})$")
 def prompt_key(prompt_ids: list[int]) -> str:
     """A short hash of a prompt's token ids: the same prompt under two ids is one record."""
     return hashlib.sha1(json.dumps(list(prompt_ids)).encode()).hexdigest()[:20]
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` through a temporary file, synced, then renamed: never half a file."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def compress(records: list[dict]) -> bytes:
@@ -96,7 +83,7 @@ def read_manifest(folder: Path) -> dict:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    _write_atomic(Path(folder) / MANIFEST,
+    write_atomic(Path(folder) / MANIFEST,
                   (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -255,7 +242,7 @@ class ShardStore:
             return None
         data = compress(records)
         out = self.work / "sealed" / f"{path.stem}.jsonl.gz"
-        _write_atomic(out, data)
+        write_atomic(out, data)
         self.manifest["shards"][path.stem] = {
             "sha256": hashlib.sha256(data).hexdigest(), "count": len(records), "domain": domain,
             "bytes": len(data), "tokens": sum(len(r["prompt_ids"]) + len(r["response_ids"])
@@ -299,7 +286,7 @@ def publish(work: str | Path, repo: str | Path) -> list[Path]:
             continue
         read_sealed(work / "sealed", name, entry)  # checks the bytes before they travel
         data = (work / "sealed" / f"{name}.jsonl.gz").read_bytes()
-        _write_atomic(repo / f"{name}.jsonl.gz", data)
+        write_atomic(repo / f"{name}.jsonl.gz", data)
         repo_manifest["shards"][name] = dict(entry)
         new.append(repo / f"{name}.jsonl.gz")
     if new or not (repo / MANIFEST).is_file():
