@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -24,8 +25,9 @@ from dflash.acceptance import measure_tau
 from dflash.drafter import load_draft
 from dflash.errors import DFlashError, TrainConfigError, TrainingDataError, UnsupportedTargetError
 from dflash.training.commands import add_train_args, run_train
-from dflash.training.data import read_samples
+from dflash.training.data import Sample, read_samples, seen_ids
 from dflash.training.evaluation import engine_tau
+from dflash.training.features import FeatureStore
 from dflash.training.initialise import init_from_target
 from dflash.training.loss import block_loss, draft_hidden
 from dflash.training.options import TrainOptions, from_args
@@ -534,6 +536,103 @@ def test_several_data_sets_merge_and_ids_may_not_repeat(tmp_path):
     other = write(tmp_path / "other", ["m2"])
     with pytest.raises(TrainingDataError, match="'m2' is in both"):
         read_samples(f"{math},{other}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Records longer than --max-len: the front of the prompt goes first, the target still reads it
+
+
+def long_record(succ: dict[int, int], prompt_len: int, response_len: int, rid: str) -> dict:
+    """A document-like record: a long prompt of pattern ids, then the pattern's continuation."""
+    rng = np.random.default_rng(prompt_len)
+    prompt = [int(x) for x in rng.choice(sorted(succ), size=prompt_len)]
+    resp, t = [], prompt[-1]
+    for _ in range(response_len):
+        t = succ[t]
+        resp.append(t)
+    return {"id": rid, "prompt_ids": prompt, "response_ids": resp, "finish_reason": "stop"}
+
+
+def test_a_long_record_drops_the_front_of_its_prompt_and_keeps_its_response(tmp_path):
+    prompt, resp = list(range(1000, 1200)), list(range(5, 25))
+    long_rec = {"id": "long", "prompt_ids": prompt, "response_ids": resp}
+    short = {"id": "short", "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}
+    huge = {"id": "huge", "prompt_ids": [9] * 10, "response_ids": list(range(300, 400))}
+    (tmp_path / "gen-00.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in (long_rec, short, huge)))
+    by_id = {s.id: s for s in read_samples(tmp_path, max_len=64)}
+    cut = by_id["long"]
+    assert cut.ids.tolist() == prompt[-44:] + resp and cut.prompt_len == 44
+    assert cut.prefix.tolist() == prompt[:156] and cut.prefix.dtype == np.int32
+    assert cut.ids[cut.prompt_len:].tolist() == resp  # anchors lie in the response, as before
+    assert cut.n_anchors == len(resp) - 1
+    # a response longer than max_len: one prompt token left, then the end is cut as before
+    h = by_id["huge"]
+    assert h.prompt_len == 1 and h.ids.tolist() == [9] + list(range(300, 363))
+    assert h.prefix.tolist() == [9] * 9
+    # a record that fits is unchanged, and so is its feature file (caches stay valid)
+    sh = by_id["short"]
+    assert sh.ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and sh.prompt_len == 3 and not len(sh.prefix)
+    store = FeatureStore(None, [0], 0, tmp_path / "features")
+    key = hashlib.sha1(b"short|" + np.asarray(sh.ids, np.int32).tobytes()).hexdigest()[:24]
+    assert store.path(sh) == tmp_path / "features" / key[:2] / f"{key}.npz"
+    assert store.path(sh) == store.path(Sample("short", sh.ids, 3))
+    assert store.path(cut) != store.path(Sample("long", cut.ids, cut.prompt_len))
+    # the vocabulary is what training sees: not the dropped prefix
+    assert not set(prompt[:156]) & seen_ids([cut])
+
+
+@pytest.mark.slow
+def test_cut_sample_features_are_the_whole_sequence_rows(pattern, tmp_path):
+    from dflash.target import load_target, target_parts
+
+    rec = long_record(pattern["succ"], 90, 30, "doc-0")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gen-00.jsonl").write_text(json.dumps(rec) + "\n")
+    [s] = read_samples(tmp_path / "data", max_len=48)
+    assert len(s.prefix) == 72 and s.prompt_len == 18
+    model, _ = load_target(str(pattern["target"]))
+    parts = target_parts(model)
+    store = FeatureStore(parts, [0, 2], 4, tmp_path / "features")
+    whole = np.asarray(rec["prompt_ids"] + rec["response_ids"], np.int32)
+    ref = store.compute(whole)  # the uncut record, in one pass
+    got = store.get(s)
+    assert store.has(s) and store.path(s).is_file()
+    for k in ("feats", "top_ids", "top_logp"):
+        assert got[k].shape[0] == len(s.ids)
+        assert np.array_equal(got[k], ref[k][len(s.prefix):]), k  # bit for bit
+        assert np.array_equal(store.get(s)[k], got[k]), k  # and from the cache
+    # features stored for the whole record (e.g. captured by datagen) serve the cut sample
+    other = FeatureStore(parts, [0, 2], 4, tmp_path / "other")
+    other.get(Sample(s.id, whole, len(rec["prompt_ids"])))
+    assert other.has(s) and not other.path(s).is_file()
+    computed = other.tokens_computed
+    for k, v in other.get(s).items():
+        assert np.array_equal(v, ref[k][len(s.prefix):]), k
+    assert other.tokens_computed == computed  # read, not computed again
+
+
+@pytest.mark.slow
+def test_features_only_then_only_cached_trains_on_a_long_record(pattern, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gen-00.jsonl").write_text(
+        json.dumps(long_record(pattern["succ"], 120, 24, "doc-0")) + "\n")
+    common = ["--target", str(pattern["target"]), "--data", str(data), "--taps", "1,3",
+              "--no-progress", "--feature-cache", str(tmp_path / "features"), "--max-len", "64"]
+    for extra in (["--features-only"],
+                  ["--out", str(tmp_path / "cmd"), "--layers", "1", "--block-size", "4",
+                   "--steps", "2", "--anchors", "4", "--only-cached", "--val-percent", "0"]):
+        p = subprocess.run([sys.executable, "-m", "dflash", "train", *common, *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    [s] = read_samples(data, max_len=64)
+    assert s.prompt_len == 40 and len(s.prefix) == 80
+    files = list((tmp_path / "features").rglob("*.npz"))
+    assert [f.name for f in files] == [FeatureStore(None, [1, 3], 16, tmp_path).path(s).name]
+    with np.load(files[0]) as z:
+        assert z["feats"].shape[0] == 64
+    assert load_draft(tmp_path / "cmd").block_size == 4
 
 
 @pytest.mark.slow

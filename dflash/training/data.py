@@ -5,6 +5,9 @@ A data set is a folder of ``gen-*.jsonl`` files (or one JSONL file) with one rec
     {"id": ..., "prompt_ids": [...], "response_ids": [...], "finish_reason": "stop"|"length"}
 
 A line cut short by an interrupted datagen is skipped everywhere: datagen regenerates its prompt.
+A record longer than ``max_len`` loses the front of its prompt first (the target still reads
+it: :class:`Sample` keeps it as ``prefix``, and the features are computed over the whole context),
+so a long document's response is what trains, drafted from features that saw the whole document.
 The validation split hashes the sample id, so a sample stays on its side however the data grows;
 each epoch's shuffle is seeded by ``(seed, epoch)``, so a resumed run sees exactly the data it had
 not seen yet.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -72,12 +75,24 @@ def load_samples(data: str | Path) -> list[dict]:
     return [samples[k] for k in sorted(samples)]
 
 
+def _no_prefix() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
 @dataclass
 class Sample:
+    """One training sequence: ``ids`` (prompt + response, int32) start ``prompt_len`` prompt tokens
+    before the response. ``prefix``: prompt tokens dropped from the front to fit ``max_len``; only
+    the target reads them (features are computed over ``prefix + ids``), and the drafter numbers
+    positions from the first of ``ids``: its attention is relative (RoPE), so a block at ``anchor``
+    sees its context rows at the same distances as it would at ``len(prefix) + anchor``.
+    """
+
     id: str
     ids: np.ndarray  # prompt + response, int32
     prompt_len: int
     finish_reason: str | None = None
+    prefix: np.ndarray = field(default_factory=_no_prefix)  # int32, empty for a record that fits
 
     @property
     def n_anchors(self) -> int:
@@ -126,12 +141,18 @@ def read_samples(data: str | Path | list, max_len: int = 1024, skip_truncated: b
                     "(records written by `dflash datagen`)")
             if skip_truncated and rec.get("finish_reason") == "length":
                 continue
-            ids = np.asarray(pid + rid, dtype=np.int64)[:max_len]
-            if vocab_size is not None and len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            # too long: drop the front of the prompt first (keeping one prompt token, so that the
+            # response's first token can be an anchor), then, if still too long, the end
+            drop = min(max(0, len(pid) + len(rid) - max_len), max(0, len(pid) - 1))
+            read = np.asarray(pid + rid, dtype=np.int64)[:drop + max_len]  # what the target reads
+            if vocab_size is not None and len(read) and (read.min() < 0
+                                                         or read.max() >= vocab_size):
                 raise TrainingDataError(
                     f"{path}:{lineno}: token id outside the target vocabulary ({vocab_size})")
+            ids = read[drop:].astype(np.int32)
             sid = str(rec.get("id", f"{path.name}:{lineno}"))
-            samples[sid] = Sample(sid, ids.astype(np.int32), len(pid), rec.get("finish_reason"))
+            samples[sid] = Sample(sid, ids, len(pid) - drop, rec.get("finish_reason"),
+                                  read[:drop].astype(np.int32))
     usable = [s for s in samples.values() if s.n_anchors > 0]
     if not usable:
         raise TrainingDataError(
@@ -141,7 +162,12 @@ def read_samples(data: str | Path | list, max_len: int = 1024, skip_truncated: b
 
 
 def seen_ids(samples: list[Sample]) -> set[int]:
-    """Every token id that occurs in ``samples``."""
+    """Every token id that occurs in ``samples``' ids.
+
+    A cut sample's ``prefix`` is left out: it is target context only, never a label nor a
+    drafter input, so its ids would join ``--vocab data`` as rows training never teaches to win;
+    the vocabulary stays the ids training sees (for a record that fits, all of them, as before).
+    """
     return set(np.unique(np.concatenate([s.ids for s in samples])).tolist())
 
 

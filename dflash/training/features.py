@@ -3,6 +3,10 @@
 One teacher-forced target pass per sample yields both; they are the expensive part of a training
 step, so they can be cached on disk (float16 / int32 per sample, computed once, reused every
 epoch) and filled beforehand by one single-threaded process per core.
+
+A sample cut to ``--max-len`` from the front of its prompt (``Sample.prefix``) is computed over its
+whole context, ``prefix + ids``, and keeps the rows of ``ids`` only: its features are those of the
+uncut record at those positions, as the target sees them when it serves that document.
 """
 
 from __future__ import annotations
@@ -46,18 +50,38 @@ class FeatureStore:
         return "taps-" + "-".join(map(str, taps)) + f"_top{topk}"
 
     def path(self, sample: Sample) -> Path:
-        """Where the features of ``sample`` are stored (a hash of its id and tokens)."""
+        """Where the features of ``sample`` are stored (a hash of its id and tokens; of its
+        prefix too when it has one, so that the key of a record that fits never changes)."""
         h = hashlib.sha1(sample.id.encode() + b"|" + np.asarray(sample.ids, np.int32).tobytes())
+        if len(sample.prefix):
+            h.update(b"|prefix|" + np.asarray(sample.prefix, np.int32).tobytes())
         key = h.hexdigest()[:24]
         return self.cache_dir / key[:2] / f"{key}.npz"
 
-    def has(self, sample: Sample) -> bool:
-        return self.cache_dir is not None and self.path(sample).is_file()
+    def _whole(self, sample: Sample) -> Path | None:
+        """The file of the uncut ``prefix + ids`` (e.g. captured by ``dflash datagen`` over the
+        whole record), whose rows past the prefix are this cut sample's; None without a prefix."""
+        if not len(sample.prefix):
+            return None
+        whole = Sample(sample.id, np.concatenate([sample.prefix, sample.ids]).astype(np.int32),
+                       sample.prompt_len + len(sample.prefix))
+        return self.path(whole)
 
-    def compute(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    def has(self, sample: Sample) -> bool:
+        if self.cache_dir is None:
+            return False
+        whole = self._whole(sample)
+        return self.path(sample).is_file() or (whole is not None and whole.is_file())
+
+    def compute(self, ids: np.ndarray, prefix: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Features and top-k of ``ids``, read by the target after ``prefix`` (its rows dropped)."""
         t0 = time.perf_counter()
-        logits, feats = forward(self.parts, mx.array(ids)[None], make_cache(self.parts), self.taps)
-        feats = feats[0].astype(mx.float16)
+        skip = 0 if prefix is None else len(prefix)
+        tokens = np.concatenate([prefix, ids]) if skip else np.asarray(ids)
+        rows = slice(skip, None) if skip else None  # the head only over the kept rows
+        logits, feats = forward(self.parts, mx.array(tokens)[None], make_cache(self.parts),
+                                self.taps, logits_rows=rows)
+        feats = feats[0, skip:].astype(mx.float16)
         res = {}
         if self.topk:
             logits = logits[0].astype(mx.float32)
@@ -75,21 +99,23 @@ class FeatureStore:
         if not np.isfinite(res["feats"]).all():
             # float16 overflow of a huge activation: keep the values, clipped (rare)
             res["feats"] = np.nan_to_num(res["feats"], nan=0.0, posinf=65504.0, neginf=-65504.0)
-        self.tokens_computed += len(ids)
+        self.tokens_computed += len(tokens)
         self.compute_time += time.perf_counter() - t0
         return res
 
     def get(self, sample: Sample) -> dict[str, np.ndarray]:
         if self.cache_dir is None:
-            return self.compute(sample.ids)
+            return self.compute(sample.ids, sample.prefix)
         path = self.path(sample)
-        if path.is_file():
+        for stored, skip in ((path, 0), (self._whole(sample), len(sample.prefix))):
+            if stored is None or not stored.is_file():
+                continue
             try:
-                with np.load(path) as z:
-                    return {k: z[k] for k in z.files}
+                with np.load(stored) as z:
+                    return {k: z[k][skip:] for k in z.files}
             except (EOFError, OSError, ValueError, zipfile.BadZipFile):
                 pass  # a file cut short (written before writes were atomic, or a full disk): recompute
-        res = self.compute(sample.ids)
+        res = self.compute(sample.ids, sample.prefix)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.stem + f".tmp{os.getpid()}.npz")
         np.savez(tmp, **res)
