@@ -453,9 +453,12 @@ def run_bench(model: str | None = None, draft: str | None = None,
             prefilled = None  # the previous prompt's caches go first
             say(f"{item['id']}: prefilling {len(ids)} tokens on each side ...")
             prefilled = Prefilled(pair, ids, sampling, seed)
-        order: list[tuple[int, bool] | None] = [None, *arms]  # None: the baseline
-        if (rep + i) % 2:
-            order.reverse()
+        # None: the baseline. Rotated from one decode round to the next, so that every side
+        # takes every place in the round equally often (the first after a prefill runs slower
+        # here; a side always in the middle would be measured apart from the others).
+        order: list[tuple[int, bool] | None] = [None, *arms]
+        turn = (rep + i) % len(order)
+        order = order[turn:] + order[:turn]
         for which in order:
             done += 1
             if which is None:

@@ -193,8 +193,8 @@ def _arm_row(run: dict, result: dict) -> dict:
 
 def format_context_summary(result: dict) -> str:
     """One line per context length (speed-ups: over all repeats, and the repeats' range)."""
-    lines = ["context  speed-up [repeats] (priced)     no-lookup [repeats]      τ      drafter  "
-             "prefill s mlx-lm/dflash  peak GB mlx-lm/dflash  identical"]
+    lines = ["context  speed-up [repeats] (priced)     no-lookup [repeats] (priced)     τ      "
+             "drafter  prefill s mlx-lm/dflash  peak GB mlx-lm/dflash  identical"]
 
     def x(v):
         return "   -  " if v is None else f"{v:5.2f}×"
@@ -209,7 +209,8 @@ def format_context_summary(result: dict) -> str:
         identical = all(arm["identical"] for arm in (on, off) if arm)
         lines.append(
             f"{row['context']:>7}  {x(on and on['speedup'])} {span(on)} "
-            f"({x(on and on['priced_speedup'])})   {x(off and off['speedup'])} {span(off)}  "
+            f"({x(on and on['priced_speedup'])})   {x(off and off['speedup'])} {span(off)} "
+            f"({x(off and off['priced_speedup'])})  "
             f"{first['tau']:5.2f}  {(first['drafter_share'] or 0) * 100:5.1f} %  "
             f"{first['baseline_prefill_s']:6.2f} / {first['dflash_prefill_s']:6.2f}     "
             f"{first['baseline_peak_gb']:5.2f} / {first['dflash_peak_gb']:5.2f}        "

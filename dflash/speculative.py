@@ -724,6 +724,7 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
     if max_tokens == 0:
         stats.finish_reason = "length"
         finish_cache()
+        stats.peak_memory = mx.get_peak_memory() / 1e9  # the prefill's
         yield stats
         return
     with pass_stream(stream):

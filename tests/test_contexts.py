@@ -111,6 +111,10 @@ def test_repeats_decode_from_one_prefill_per_side_and_match_fresh_runs(pair, mon
         assert len(b["repeat_speedups"]) == 3 and all(x > 0 for x in b["repeat_speedups"])
         assert b["baseline"]["prompt_time"] > 0 and b["dflash"]["prompt_time"] > 0
         assert b["baseline"]["peak_memory_gb"] > 0 and b["dflash"]["peak_memory_gb"] > 0
+    # Each side's prefill peak is its own (a prefill-only run reports its peak too).
+    kept = bench.Prefilled(pair, encode_prompt(pair.tokenizer, PROMPTS[0]), {"temperature": 0.0,
+                           "top_p": 1.0, "top_k": 0, "min_p": 0.0}, 0)
+    assert kept.baseline_peak > 0 and kept.dflash_peak > 0
     # A recurrent cache cannot be cut back (nor a quantized one's switch moved): those prefill
     # every run instead.
     target, draft = tiny_pair("qwen3_5")
