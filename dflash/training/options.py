@@ -117,7 +117,8 @@ class TrainOptions:
     only_cached: bool = option(
         False, "train only on samples whose features are already cached (a separate "
         "--features-only job fills the cache as datagen writes new samples)")
-    max_len: int = option(1024, "truncate sequences to this length")
+    max_len: int = option(1024, "cut longer records to this length: the front of the prompt "
+                                "first (the target still reads it for the features), then the end")
     skip_truncated: bool = option(False, "drop responses that hit datagen's length cap")
     refresh_data: bool = option(False, "pick up newly generated samples at each epoch boundary")
     val_percent: float = option(2.0)
