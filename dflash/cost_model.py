@@ -371,7 +371,7 @@ class PassCosts:
                 return
             self._dirty, self._saved_at = False, time.monotonic()
         try:
-            write_atomic(self.path, json.dumps(self.to_dict()) + "\n")
+            write_atomic(self.path, json.dumps(self.to_dict()) + "\n", durable=False)
         except OSError as e:
             say_once("unwritable", f"cannot save the learnt pass costs in {self.path.parent} "
                       f"({e}); keeping them in memory for this process")

@@ -14,18 +14,21 @@ import threading
 from pathlib import Path
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    """``data`` to ``path`` (its folder made if missing) through a synced temporary file beside
-    it, then renamed; the temporary name is this process's and thread's, so that two writers of
-    one file never share one."""
+def write_atomic(path: str | Path, data: bytes | str, durable: bool = True) -> None:
+    """``data`` to ``path`` (its folder made if missing) through a temporary file beside it, then
+    renamed; the temporary name is this process's and thread's, so that two writers of one file
+    never share one. ``durable``: synced to disk before the rename; ``False`` for what a
+    generation saves while it decodes (learnt costs, the pair's memory: still never half a
+    file, but no disk flush on the decoding thread, and a crash loses only the last seconds)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
     try:
         with tmp.open("wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():

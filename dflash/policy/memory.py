@@ -169,7 +169,7 @@ class PairMemory:
     def _save(self) -> None:
         path, self._saved_at = self.path, time.monotonic()
         try:
-            write_atomic(path, json.dumps(self._to_dict()) + "\n")
+            write_atomic(path, json.dumps(self._to_dict()) + "\n", durable=False)
             self._dirty = False
         except OSError as e:
             say_once(f"unwritable {path.parent}",
