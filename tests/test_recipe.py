@@ -62,7 +62,8 @@ def test_final_v4s_checkpoint_comes_back_from_git_history(tmp_path):
                       capture_output=True).returncode != 0:
         pytest.skip("a clone without the history that holds the checkpoint")
     p = subprocess.run([sys.executable, "recipes/smollm2/carry_checkpoint.py", str(tmp_path / "run"),
-                        "--restore", "--from-commit", "--home", str(tmp_path / "home")],
+                        "--restore", "--from-commit", "--home", str(tmp_path / "home"),
+                        "--export", str(tmp_path / "drafter")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     step = tmp_path / "run" / "train" / f"step-{commit['step']:07d}"
@@ -72,3 +73,20 @@ def test_final_v4s_checkpoint_comes_back_from_git_history(tmp_path):
     import mlx.core as mx
 
     assert all(v.dtype == mx.float32 for v in mx.load(str(step / "draft.safetensors")).values())
+    # ... and as a drafter folder that --init-from reads: the checkpoint's weights (bf16) and
+    # its training vocabulary as the ids it may propose
+    from mlx.utils import tree_flatten
+
+    from dflash.drafter import load_draft
+    from dflash.training.initialise import read_v1_drafter
+
+    draft = load_draft(str(tmp_path / "drafter"))
+    assert draft.config.draft_vocab_ids is not None
+    assert sorted(int(i) for i in draft.config.draft_vocab_ids) == sorted(state["vocab_ids"])
+    kept = mx.load(str(step / "draft.safetensors"))
+    mine = dict(tree_flatten(draft.parameters()))
+    assert set(kept) <= set(mine)
+    for name, value in kept.items():
+        assert mx.array_equal(mine[name].astype(mx.bfloat16), value.astype(mx.bfloat16)), name
+    cfg, _ = read_v1_drafter(str(tmp_path / "drafter"))
+    assert cfg["num_hidden_layers"] == state["draft_config"]["num_hidden_layers"]

@@ -16,9 +16,17 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..drafter import V1, V2, DFlash2DraftModel, DFlashDraftModel, load_draft, published_names
+from ..drafter import (
+    V1,
+    V2,
+    DFlash2DraftModel,
+    DFlashConfig,
+    DFlashDraftModel,
+    load_draft,
+    published_names,
+)
 from ..errors import DraftCheckpointError, TrainConfigError
-from .checkpoints import write_safetensors
+from .checkpoints import read_state, write_safetensors
 
 DEFAULT_WINDOW = 2048  # the released DFlash2 drafters' window (all layers sliding)
 
@@ -250,3 +258,21 @@ def export_draft(draft, cfg_dict: dict, out: Path, extra: dict | None = None) ->
     shutil.rmtree(tmp_dir, ignore_errors=True)
     return out
 
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """A training checkpoint (``RUN/train/step-N``) written as a drafter folder: its float
+    weights and config, its training vocabulary as ``draft_vocab_ids`` (as the run's own export
+    would write it), so that ``dflash train --init-from`` can continue from any kept step."""
+    checkpoint = Path(checkpoint)
+    state = read_state(checkpoint)
+    cfg_dict = json.loads(json.dumps(state["draft_config"]))
+    opts = state.get("options", {})
+    if opts.get("vocab", "data") == "data" and opts.get("export_vocab", True):
+        cfg_dict["dflash_config"]["draft_vocab_ids"] = sorted(int(i) for i in state["vocab_ids"])
+    draft = new_draft(DFlashConfig.from_dict(state["draft_config"]))
+    draft.load_weights(list(mx.load(str(checkpoint / "draft.safetensors")).items()), strict=True)
+    mx.eval(draft.parameters())
+    meta = {"step": state["step"], "samples": state.get("data_samples"),
+            "exported_from": checkpoint.name}
+    return export_draft(draft, cfg_dict, out, meta)

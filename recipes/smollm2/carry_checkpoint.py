@@ -13,6 +13,8 @@ git, so a clone with full history can continue that run.
     python recipes/smollm2/carry_checkpoint.py RUN --store DIR             # pack the newest
     python recipes/smollm2/carry_checkpoint.py RUN --store DIR --restore   # into RUN/train
     python recipes/smollm2/carry_checkpoint.py RUN --restore --from-commit # final-v4, step 5,250
+    python recipes/smollm2/carry_checkpoint.py RUN --export OUT            # the newest, as a
+        # float drafter folder (for `dflash train --init-from OUT`); with --restore, once restored
 """
 
 from __future__ import annotations
@@ -62,7 +64,20 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--from-commit", nargs="?", const="", default=None, metavar="COMMIT",
                     help="with --restore: read the pack from git history (default: the commit "
                          "datasets/smollm2/MANIFEST.json names)")
+    ap.add_argument("--export", type=Path, default=None, metavar="OUT",
+                    help="write the run's newest checkpoint (with --restore: the restored one) "
+                         "as a drafter folder: bf16 weights, its training vocabulary as "
+                         "draft_vocab_ids")
     args = ap.parse_args(argv)
+    if args.export is not None and not args.restore and args.store is None:
+        from dflash.training.checkpoints import list_checkpoints
+        from dflash.training.initialise import export_checkpoint
+
+        have = list_checkpoints(args.run / "train")
+        if not have:
+            raise SystemExit(f"{args.run / 'train'}: no checkpoint to export")
+        print(f"exported: {export_checkpoint(have[-1], args.export)}")
+        return args.export
     if args.from_commit is not None:
         if not args.restore:
             raise SystemExit("--from-commit needs --restore")
@@ -77,6 +92,10 @@ def main(argv: list[str] | None = None) -> Path:
         path = pack_checkpoint(args.run / "train", args.store, args.home)
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
     print(f"{'restored' if args.restore else 'packed'}: {path} ({size:.1f} MB)")
+    if args.export is not None:
+        from dflash.training.initialise import export_checkpoint
+
+        print(f"exported: {export_checkpoint(path, args.export)}")
     return path
 
 
