@@ -96,6 +96,28 @@ def test_upgrade_from_v1_proposes_exactly_as_v1(pattern, v1_drafter, tmp_path): 
 
 
 @pytest.mark.slow
+def test_a_continued_drafter_is_evaluated_before_its_first_step(pattern, v1_drafter,  # noqa: F811
+                                                                tmp_path):
+    """With --init-from the curve starts at step 0 with the drafter it continues: the τ of that
+    record is the v1 drafter's own, measured through the engine on the same prompts."""
+    from dflash.training.evaluation import engine_tau
+
+    tr = Trainer(opts(pattern, tmp_path / "cont", init_from=str(v1_drafter), steps=10,
+                      eval_every=10, eval_block_sizes="4", eval_max_tokens=12))
+    held_out = pattern["held_out"]
+    tr.eval_prompts = {"alpha": held_out[:2], "beta": held_out[2:4]}
+    tr.run()
+    records = [json.loads(line) for line in
+               (tmp_path / "cont" / "train" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "tau_b4" in r]
+    assert [r["step"] for r in evaluated] == [0, 10]
+    v1 = load_draft(v1_drafter)
+    own = engine_tau(tr.model, tr.tokenizer, v1, tr.eval_prompts, "4", 12, tr._draft_vocab())
+    assert evaluated[0]["tau_b4"] == pytest.approx(own["tau_b4"], abs=1e-6)
+    assert evaluated[0]["cpu_s"] >= 0 and evaluated[0]["tau_b4"] > 1.0
+
+
+@pytest.mark.slow
 def test_upgrade_keeps_the_v1_draft_vocabulary(pattern, tmp_path):  # noqa: F811
     v1 = tmp_path / "v1"
     cut = list(range(0, 512, 3))

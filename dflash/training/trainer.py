@@ -415,6 +415,9 @@ class Trainer:
         t_rows = time.perf_counter()
         if main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if o.init_from and o.eval_every and main and self.step == 0 and not self.history:
+            # a continued drafter starts far from τ 1: its curve starts where it starts
+            self._record({"step": 0, "cpu_s": round(self.cpu_seconds, 1), **self._evaluate(val)})
         while self.step < end_step:
             rng = self._step_rng()
             before = (self.data.state(), self.draft.parameters(),
