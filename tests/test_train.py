@@ -371,6 +371,32 @@ def test_held_out_tau_during_training_is_measured_per_domain(pattern, tmp_path):
     assert "tau_b4_all" not in together  # one domain: no per-domain keys
 
 
+def test_evaluations_cpu_is_kept_apart_from_the_runs(pattern, tmp_path):
+    """--cpu-budget and the curves count training: an evaluation's CPU (validation and τ through
+    the engine) goes to ``eval_cpu_s``, carried across --resume, not to ``cpu_s``."""
+    kw = dict(steps=4, eval_every=2, eval_block_sizes="4", eval_max_tokens=24, val_percent=20,
+              checkpoint_every=2)
+    tr = Trainer(opts(pattern, tmp_path / "e", stop_after=2, **kw))
+    tr.eval_prompts = {"all": pattern["held_out"]}
+    before, clock = tr.cpu_seconds, time.process_time()
+    res = tr._evaluate(tr.data.validation())
+    spent = time.process_time() - clock
+    assert spent > 0.05 and tr.cpu_seconds - before < 0.1 * spent
+    assert res["eval_cpu_s"] == pytest.approx(spent, abs=0.05)
+    tr.run()
+    records = [json.loads(line) for line in
+               (tmp_path / "e" / "train" / "metrics.jsonl").read_text().splitlines()]
+    at_2 = next(r for r in records if r["step"] == 2 and "eval_cpu_s" in r)
+    assert at_2["eval_cpu_s"] > res["eval_cpu_s"]  # the run's own evaluation at step 2 added
+    resumed = Trainer(opts(pattern, tmp_path / "e", resume=True, **kw))
+    assert resumed.eval_cpu_seconds == pytest.approx(at_2["eval_cpu_s"], abs=0.05)
+    resumed.eval_prompts = {"all": pattern["held_out"]}
+    resumed.run()
+    last = [json.loads(line) for line in
+            (tmp_path / "e" / "train" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 4 and last["eval_cpu_s"] > at_2["eval_cpu_s"]
+
+
 @pytest.mark.slow
 def test_save_resume_continues_at_the_same_step_and_data(pattern, tmp_path):
     straight = Trainer(opts(pattern, tmp_path / "a", steps=8, checkpoint_every=4))

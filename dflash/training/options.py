@@ -140,8 +140,8 @@ class TrainOptions:
         "with --resume)")
     cpu_budget: float | None = option(
         None, "stop cleanly after SECONDS of the run's CPU time (all threads, startup included, "
-        "summed over --resume invocations): checkpoint, export, exit 0; fair budgets on a shared "
-        "machine, where wall time depends on the other jobs")
+        "evaluations not, summed over --resume invocations): checkpoint, export, exit 0; fair "
+        "budgets on a shared machine, where wall time depends on the other jobs")
     stop_after: int | None = option(
         None, "stop (with a checkpoint) after this many steps of this invocation")
     resume: bool = option(False, "continue from the last checkpoint")

@@ -80,6 +80,10 @@ class Trainer:
         # earlier invocations' CPU comes from the checkpoint (``cpu_seconds``)
         self._cpu_start = time.process_time()
         self.cpu_before = 0.0
+        # evaluations (validation loss, τ through the engine) are measurement, not training:
+        # their CPU is kept apart so that budgets and curves count training alone
+        self._eval_cpu = 0.0
+        self.eval_cpu_before = 0.0
         self.out = Path(o.out)
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
         self.ranks = init_ranks()
@@ -352,13 +356,19 @@ class Trainer:
             "draft_config": self.cfg_dict, "options": asdict(self.opts),
             "history": self.history[-200:], "ema": self.ema, "data_samples": len(self.samples),
             "cpu_seconds": round(self.cpu_seconds, 3),
+            "eval_cpu_seconds": round(self.eval_cpu_seconds, 3),
         }
 
     @property
     def cpu_seconds(self) -> float:
         """CPU time of the run so far (``time.process_time()``: all threads of this process), over
-        all its invocations: what ``--cpu-budget`` limits."""
-        return self.cpu_before + time.process_time() - self._cpu_start
+        all its invocations, less its evaluations': what ``--cpu-budget`` limits."""
+        return self.cpu_before + time.process_time() - self._cpu_start - self._eval_cpu
+
+    @property
+    def eval_cpu_seconds(self) -> float:
+        """CPU time the run's evaluations took, over all its invocations."""
+        return self.eval_cpu_before + self._eval_cpu
 
     def save_checkpoint(self) -> Path | None:
         """Checkpoint and export (rank 0; the other ranks hold the same weights)."""
@@ -398,6 +408,7 @@ class Trainer:
         self.history = saved.get("history", [])
         self.ema = saved.get("ema")
         self.cpu_before = float(saved.get("cpu_seconds", 0.0))
+        self.eval_cpu_before = float(saved.get("eval_cpu_seconds", 0.0))
         log(f"train: resumed from {self.resume_from} (step {self.step}, epoch {self.epoch}, "
             f"sample {self.cursor}/{len(self.order)})")
 
@@ -475,10 +486,14 @@ class Trainer:
         return self.out
 
     def _evaluate(self, val: list[Sample]) -> dict:
-        """Validation metrics (and τ with ``--eval-prompts``), reported on stderr."""
+        """Validation metrics (and τ with ``--eval-prompts``), reported on stderr; their CPU
+        time is not the run's (``eval_cpu_s``: all evaluations so far)."""
+        t0 = time.process_time()
         res = {k: round(v, 4) for k, v in self.evaluate_loss(val).items()}
         if self.eval_prompts:
             res.update(self.evaluate_tau())
+        self._eval_cpu += time.process_time() - t0
+        res["eval_cpu_s"] = round(self.eval_cpu_seconds, 1)
         _status(f"[step {self.step}] " + " ".join(
             f"{k}={v}" for k, v in res.items() if k.startswith(("val_", "tau_"))))
         return res
