@@ -102,3 +102,40 @@ def test_an_earlier_run_drawn_beside(tmp_path):
             "CPU-h.") in md
     assert "step 500 " not in md
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_arms_compared_at_equal_cpu(tmp_path, capsys):
+    """--arm: each arm's τ gained per CPU-hour over the window and its τ projected at the budget
+    from its own log fit; a fresh arm starts at τ 1, a continued one at its step-0 evaluation."""
+    def arm(path: Path, hours, tau) -> Path:
+        with path.open("w") as f:
+            for i, h in enumerate(hours):
+                f.write(json.dumps({"step": 50 * i, "cpu_s": h * 3600, "tau_b16": tau(h),
+                                    "tau_b16_math": tau(h) + 0.5}) + "\n")
+        return path
+
+    fresh = arm(tmp_path / "fresh.jsonl", [0.5, 1.0, 2.0, 3.0], lambda h: 0.9 + 0.2 * math.log(h))
+    cont = arm(tmp_path / "cont.jsonl", [0.0, 0.5, 1.0, 2.0, 3.0],
+               lambda h: 1.0 + 0.5 * math.log(10 + h))
+    out = run("--arm", f"fresh={fresh}", "--arm", f"continue={cont}@10", "--budget-hours", 15,
+              "--window-hours", 2, "--out", tmp_path / "arms", capsys=capsys)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "arms.md").read_text()
+    gain_fresh = (0.9 + 0.2 * math.log(2.0) - 1.0) / 2
+    assert (f"| fresh | 1.000 | {0.9 + 0.2 * math.log(2):.3f} (at 2.00) | {gain_fresh:+.3f} | "
+            f"0.900 + 0.200·ln(0 + h) | {0.9 + 0.2 * math.log(15):.2f} |") in md
+    start, at_2 = 1.0 + 0.5 * math.log(10), 1.0 + 0.5 * math.log(12)
+    assert (f"| continue | {start:.3f} | {at_2:.3f} (at 2.00) | {(at_2 - start) / 2:+.3f} | "
+            f"1.000 + 0.500·ln(10 + h) | {1.0 + 0.5 * math.log(25):.2f} |") in md
+    assert f"| fresh | 100 | 2.00 | {0.9 + 0.2 * math.log(2):.3f} | " \
+           f"{0.9 + 0.2 * math.log(2) + 0.5:.3f} |" in md  # the per-domain column
+    assert (tmp_path / "arms.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("text, message", [
+    ("fresh", "expected NAME=METRICS"), ("fresh=x.jsonl@soon", "'soon' is not a number"),
+])
+def test_a_bad_arm_is_named(tmp_path, capsys, text, message):
+    out = run("--arm", text, "--out", tmp_path / "arms", capsys=capsys)
+    assert out.returncode == 1 and message in out.stderr
+    assert not (tmp_path / "arms.md").exists()

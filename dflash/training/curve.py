@@ -12,6 +12,8 @@ not a promise.
 
     python -m dflash.training.curve $DFLASH_HOME/runs/final-v4/train/metrics.jsonl \\
         --data-cpu-hours 3.4 --out curve      # writes curve.md and curve.png (needs matplotlib)
+    python -m dflash.training.curve --arm fresh=RUN_A/train/metrics.jsonl \\
+        --arm continue=RUN_B/train/metrics.jsonl@11.2 --out arms   # arms at equal CPU
 """
 
 from __future__ import annotations
@@ -154,10 +156,110 @@ def plot_curve(evals: list[Evaluation], png: Path, *, data_cpu_hours: float = 0.
     return png
 
 
+Arm = tuple[str, list[Evaluation], float]  # name, evaluations, training CPU-h before its first step
+
+
+def parse_arm(text: str) -> tuple[str, Path, float]:
+    """``NAME=METRICS[@HOURS]``: an arm of a comparison, and the training CPU-hours its drafter
+    had before this run (a continued drafter's own training; 0 for a fresh one)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise DataSetError(f"--arm {text!r}: expected NAME=METRICS[@HOURS]")
+    path, hours = rest.rsplit("@", 1) if "@" in rest else (rest, "")
+    try:
+        return name, Path(path), float(hours or 0.0)
+    except ValueError:
+        raise DataSetError(f"--arm {text!r}: {hours!r} is not a number of hours") from None
+
+
+def arms_report(arms: list[Arm], *, budget_hours: float, window_hours: float,
+                key: str = "tau_b16", fresh_tau: float = 1.0) -> str:
+    """Arms compared at equal training CPU: τ (and by domain) at each arm's evaluations, τ gained
+    per CPU-hour over the first ``window_hours``, and τ projected at ``budget_hours`` of this
+    training from each arm's fit τ = a + b·ln(prior + h). An arm with no step-0 evaluation and no
+    prior training starts at ``fresh_tau`` (an untrained drafter's proposals are never accepted:
+    each cycle yields the target's own token)."""
+    domains = list(dict.fromkeys(d for _, evals, _ in arms for *_, by in evals for d in by))
+    lines = [f"# Training arms at equal CPU ({key})", "",
+             "Training CPU-h: the run's own (evaluations excluded); prior: what the drafter it "
+             "starts from was trained with. τ: held-out, through the engine, greedy, whole "
+             "blocks verified.", "",
+             "| arm | step | training CPU-h | τ |" + "".join(f" {d} |" for d in domains),
+             "|---|---:|---:|---:|" + "---:|" * len(domains)]
+    summary = ["", f"| arm | τ at start | τ at {window_hours:g} CPU-h | gained per CPU-h | "
+               f"fit τ = a + b·ln(prior + h) | projected τ at {budget_hours:g} CPU-h |",
+               "|---|---:|---:|---:|---|---:|"]
+    for name, evals, prior in arms:
+        lines += [f"| {name} | {s} | {h:.2f} | {t:.3f} |"
+                  + "".join(f" {by[d]:.3f} |" if d in by else " – |" for d in domains)
+                  for h, s, t, by in evals]
+        points = [(h, t) for h, _, t, _ in evals]
+        if not any(h == 0 for h, _ in points) and prior == 0:
+            points.insert(0, (0.0, fresh_tau))
+        start = points[0][1]
+        inside = [(h, t) for h, t in points if h <= window_hours]
+        end_h, end_t = inside[-1] if inside else points[0]
+        gain = (end_t - start) / end_h if end_h > 0 else float("nan")
+        fit = fit_log([(prior + h, t) for h, t in points if prior + h > 0])
+        if fit is None:
+            fitted, projected = "too few evaluations", "–"
+        else:
+            a, b = fit
+            fitted = f"{a:.3f} + {b:.3f}·ln({prior:g} + h)"
+            projected = f"{a + b * math.log(prior + budget_hours):.2f}"
+        summary.append(f"| {name} | {start:.3f} | {end_t:.3f} (at {end_h:.2f}) | "
+                       f"{gain:+.3f} | {fitted} | {projected} |")
+    return "\n".join(lines + summary) + "\n"
+
+
+def plot_arms(arms: list[Arm], png: Path, *, key: str = "tau_b16",
+              fresh_tau: float = 1.0) -> Path:
+    """τ against the arms' own training CPU-hours, overall and per domain; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = list(dict.fromkeys(d for _, evals, _ in arms for *_, by in evals for d in by))
+    fig, axes = plt.subplots(1, 1 + bool(domains), figsize=(11 if domains else 6, 4))
+    axes = list(axes) if domains else [axes]
+    for i, (name, evals, prior) in enumerate(arms):
+        xs = [h for h, *_ in evals]
+        ts = [t for _, _, t, _ in evals]
+        if not any(h == 0 for h in xs) and prior == 0:
+            xs, ts = [0.0] + xs, [fresh_tau] + ts
+        axes[0].plot(xs, ts, "o-", color=f"C{i}", label=f"{name} (prior {prior:g} CPU-h)")
+        for j, d in enumerate(domains if len(axes) > 1 else []):
+            pts = [(h, by[d]) for h, _, _, by in evals if d in by]
+            axes[1].plot([h for h, _ in pts], [t for _, t in pts], ".-" if i == 0 else "x--",
+                         color=f"C{j}", lw=1, label=f"{name} {d}")
+    axes[0].set_title(f"held-out {key}")
+    for ax in axes:
+        ax.set_xlabel("training CPU-hours of the arm")
+        ax.set_ylabel("τ (tokens per cycle)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if len(axes) > 1:
+        axes[1].set_title("by domain")
+    fig.tight_layout()
+    tmp = png.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(png)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash.training.curve",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("metrics", type=Path, help="the run's train/metrics.jsonl")
+    ap.add_argument("metrics", type=Path, nargs="?", help="the run's train/metrics.jsonl")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=METRICS[@HOURS]",
+                    help="compare training arms instead (twice or more): each run's "
+                         "metrics.jsonl, and the training CPU-hours of the drafter it continues")
+    ap.add_argument("--budget-hours", type=float, default=15.0,
+                    help="with --arm: training CPU-hours to project each arm's τ at")
+    ap.add_argument("--window-hours", type=float, default=2.0,
+                    help="with --arm: the first CPU-hours over which τ gained per hour is read")
     ap.add_argument("--key", default="tau_b16", help="the held-out τ field (default tau_b16)")
     ap.add_argument("--data-cpu-hours", type=float, default=0.0,
                     help="CPU-hours spent making the run's data, added to every point")
@@ -174,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the data CPU-hours of the --compare run")
     ap.add_argument("--out", type=Path, required=True, help="output stem: STEM.md and STEM.png")
     a = ap.parse_args(argv)
+    if a.arm:
+        return _arms_main(ap, a)
+    if a.metrics is None:
+        ap.error("a run's metrics.jsonl, or --arm NAME=METRICS twice or more")
     try:
         evals = load_evaluations(a.metrics, a.key)
         other = load_evaluations(a.compare, a.key) if a.compare else []
@@ -193,6 +299,25 @@ def main(argv: list[str] | None = None) -> int:
     md = a.out.with_suffix(".md")
     write_atomic(md, text)
     plot_curve(evals, a.out.with_suffix(".png"), **common)
+    print(text, end="")
+    return 0
+
+
+def _arms_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    try:
+        arms = []
+        for text in a.arm:
+            name, path, prior = parse_arm(text)
+            evals = load_evaluations(path, a.key)
+            if not evals:
+                raise DataSetError(f"--arm {name}: {path}: no record with {a.key!r} and cpu_s")
+            arms.append((name, evals, prior))
+    except DataSetError as e:
+        ap.exit(1, f"{ap.prog}: {e}\n")
+    text = arms_report(arms, budget_hours=a.budget_hours, window_hours=a.window_hours, key=a.key)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(a.out.with_suffix(".md"), text)
+    plot_arms(arms, a.out.with_suffix(".png"), key=a.key)
     print(text, end="")
     return 0
 
