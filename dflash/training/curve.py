@@ -148,11 +148,20 @@ def plot_curve(evals: list[Evaluation], png: Path, *, data_cpu_hours: float = 0.
     ax.set_ylabel("τ (tokens per cycle)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    return _save_figure(fig, png)
+
+
+def _save_figure(fig, png: Path) -> Path:
+    """The figure as a PNG, written whole (:func:`~dflash.files.write_atomic`), then closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    tmp = png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(png)
+    write_atomic(png, buf.getvalue())
     return png
 
 
@@ -241,12 +250,7 @@ def plot_arms(arms: list[Arm], png: Path, *, key: str = "tau_b16",
         ax.legend(fontsize=7)
     if len(axes) > 1:
         axes[1].set_title("by domain")
-    fig.tight_layout()
-    tmp = png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(png)
-    return png
+    return _save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> int:
