@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -289,6 +290,81 @@ def test_target_features_are_the_tapped_layer_outputs(pattern, tmp_path):
     top = f["top_ids"][np.arange(len(s.ids)), np.argmax(f["top_logp"], -1)]
     assert (top == np.array(mx.argmax(logits[0], -1))).all()
     assert (top[s.prompt_len - 1:-1] == s.ids[s.prompt_len:]).all()  # the pattern, greedy
+
+
+def test_a_sample_claimed_by_a_live_process_is_waited_for_and_a_dead_claim_taken_over(
+        pattern, tmp_path):
+    """Processes filling one feature cache never compute a sample twice: the claimant computes,
+    the others wait for its file; a claim whose process died is taken over."""
+    tr = Trainer(opts(pattern, tmp_path / "d", soft_topk=4))
+    store = FeatureStore(tr.parts, [0, 2], 4, tmp_path / "cache")
+    a, b, c = tr.samples[:3]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claim = store.path(a).with_suffix(".claim")
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        claim.write_text(str(sleeper.pid))
+        assert not store.claim(a)
+        store.prepare([a, b])  # a is left to its claimant, b computed here
+        assert store.has(b) and not store.has(a) and store.samples_computed == 1
+        got: dict = {}
+        waiter = threading.Thread(target=lambda: got.update(store.get(a)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # waiting for the claimant's file
+        other = FeatureStore(tr.parts, [0, 2], 4, tmp_path / "cache")
+        want = other.compute_and_store(a)
+        claim.unlink()
+        waiter.join(30)
+        assert not waiter.is_alive() and store.samples_computed == 1
+        assert np.array_equal(got["feats"], want["feats"])
+        assert np.array_equal(got["top_ids"], want["top_ids"])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    dead = store.path(c).with_suffix(".claim")
+    dead.parent.mkdir(parents=True, exist_ok=True)
+    dead.write_text(str(sleeper.pid))  # its process is gone
+    assert store.claim(c)
+    store.release(c)
+    dead.write_text(str(sleeper.pid))
+    store.get(c)
+    assert store.has(c) and not dead.exists() and store.samples_computed == 2
+
+
+@pytest.mark.slow
+def test_streamed_features_train_the_same_run_and_their_cpu_counts(pattern, tmp_path):
+    """--stream-features: a worker computes the next steps' features beside training; the run
+    is the one that computes every feature itself, each sample is computed once, and the
+    worker's CPU is in the run's cpu_s."""
+    kw = dict(steps=12, soft_topk=4, soft_weight=0.5, checkpoint_every=6)
+    plain = Trainer(opts(pattern, tmp_path / "plain", feature_cache="none", **kw))
+    plain.run()
+    streamed = Trainer(opts(pattern, tmp_path / "streamed", stream_features=1, **kw))
+    deadline = time.time() + 120
+    while streamed.stream.cpu_seconds() == 0 and time.time() < deadline:
+        time.sleep(0.1)  # the worker has loaded the target
+    before = streamed.cpu_seconds
+    assert before >= streamed.stream.cpu_seconds() > 0
+    streamed.run()
+    assert_same_weights(plain.draft, streamed.draft)
+    cache = tmp_path / "streamed" / "train" / "features"
+    files = list(cache.rglob("*.npz"))
+    worker_n = streamed.stream.samples_computed()
+    assert worker_n > 0 and streamed.features.samples_computed > 0
+    assert worker_n + streamed.features.samples_computed == len(files) >= 12 * 4
+    assert not list(cache.rglob("*.claim")) and not list(cache.rglob("*.tmp*"))
+    assert not any(p.is_alive() for p in streamed.stream.procs)  # closed with the run
+    records = [json.loads(line) for line in
+               (tmp_path / "streamed" / "train" / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    # the worker may still finish a sample of the steps ahead after the last record
+    assert 12 * 4 <= last["feat_n"] <= len(files) and last["stream_cpu_s"] > 0
+    assert last["cpu_s"] >= last["stream_cpu_s"] + last["feat_s"] - 0.5
+    with pytest.raises(TrainConfigError, match="--stream-features"):
+        TrainOptions(target="t", data="d", out="o", stream_features=1, only_cached=True).check()
+    with pytest.raises(TrainConfigError, match="--stream-features"):
+        TrainOptions(target="t", data="d", out="o", stream_features=1, feature_cache="none").check()
 
 
 @pytest.mark.slow

@@ -250,5 +250,9 @@ class DataOrder:
             self.cursor += 1
         return out
 
+    def peek(self, n: int) -> list[Sample]:
+        """The next ``n`` training samples of this epoch, without taking them."""
+        return [self.by_id[i] for i in self.order[self.cursor:self.cursor + n] if i in self.by_id]
+
     def validation(self) -> list[Sample]:
         return [self.by_id[i] for i in self.val_ids if i in self.by_id]

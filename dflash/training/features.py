@@ -2,7 +2,15 @@
 
 One teacher-forced target pass per sample yields both; they are the expensive part of a training
 step, so they can be cached on disk (float16 / int32 per sample, computed once, reused every
-epoch) and filled beforehand by one single-threaded process per core.
+epoch) and filled beforehand by one single-threaded process per core (``--feature-workers``), or
+while training runs (``--stream-features``: processes that compute the samples the next steps
+read, so that a run over records whose features do not exist yet keeps every core busy; on the
+built-in target a sample costs ~5-10 CPU-s, a training step of 4 samples ~9 CPU-s, so the first
+epoch over new records is mostly features).
+
+Several processes fill one cache without computing a sample twice: a process about to compute a
+sample first creates its claim file (``O_EXCL``, holding its pid) and the others wait for the
+features instead; a claim whose process is gone is taken over.
 
 A sample cut to ``--max-len`` from the front of its prompt (``Sample.prefix``) is computed over its
 whole context, ``prefix + ids``, and keeps the rows of ``ids`` only: its features are those of the
@@ -11,8 +19,11 @@ uncut record at those positions, as the target sees them when it serves that doc
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import multiprocessing as mp
 import os
+import queue
 import time
 import zipfile
 from pathlib import Path
@@ -43,6 +54,7 @@ class FeatureStore:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.compute_time = 0.0
         self.tokens_computed = 0
+        self.samples_computed = 0
 
     @staticmethod
     def signature(taps, topk) -> str:
@@ -100,12 +112,11 @@ class FeatureStore:
             # float16 overflow of a huge activation: keep the values, clipped (rare)
             res["feats"] = np.nan_to_num(res["feats"], nan=0.0, posinf=65504.0, neginf=-65504.0)
         self.tokens_computed += len(tokens)
+        self.samples_computed += 1
         self.compute_time += time.perf_counter() - t0
         return res
 
-    def get(self, sample: Sample) -> dict[str, np.ndarray]:
-        if self.cache_dir is None:
-            return self.compute(sample.ids, sample.prefix)
+    def _load(self, sample: Sample) -> dict[str, np.ndarray] | None:
         path = self.path(sample)
         for stored, skip in ((path, 0), (self._whole(sample), len(sample.prefix))):
             if stored is None or not stored.is_file():
@@ -115,12 +126,165 @@ class FeatureStore:
                     return {k: z[k][skip:] for k in z.files}
             except (EOFError, OSError, ValueError, zipfile.BadZipFile):
                 pass  # a file cut short (written before writes were atomic, or a full disk): recompute
+        return None
+
+    def _claim_path(self, sample: Sample) -> Path:
+        return self.path(sample).with_suffix(".claim")
+
+    def claim(self, sample: Sample) -> bool:
+        """Take the job of computing ``sample``: False while another live process holds it (a
+        claim whose process is gone is taken over)."""
+        claim = self._claim_path(sample)
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if _claim_alive(claim):
+                    return False
+                claim.unlink(missing_ok=True)  # its process is gone: take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return True
+        return False
+
+    def release(self, sample: Sample) -> None:
+        self._claim_path(sample).unlink(missing_ok=True)
+
+    def compute_and_store(self, sample: Sample) -> dict[str, np.ndarray]:
+        """Compute ``sample``'s features and write them (atomically: a reader never sees half)."""
         res = self.compute(sample.ids, sample.prefix)
+        path = self.path(sample)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.stem + f".tmp{os.getpid()}.npz")
-        np.savez(tmp, **res)
-        os.replace(tmp, path)
+        try:
+            np.savez(tmp, **res)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return res
+
+    def prepare(self, samples: list[Sample]) -> None:
+        """Compute (and store) those of ``samples`` that are neither cached nor claimed by
+        another process; :meth:`get` then waits for the claimed ones only."""
+        if self.cache_dir is None:
+            return
+        for s in samples:
+            if not self.has(s) and self.claim(s):
+                try:
+                    if not self.has(s):
+                        self.compute_and_store(s)
+                finally:
+                    self.release(s)
+
+    def get(self, sample: Sample) -> dict[str, np.ndarray]:
+        if self.cache_dir is None:
+            return self.compute(sample.ids, sample.prefix)
+        while True:
+            res = self._load(sample)
+            if res is not None:
+                return res
+            if self.claim(sample):
+                try:  # its claimant may have finished between the load and the claim
+                    return self._load(sample) or self.compute_and_store(sample)
+                finally:
+                    self.release(sample)
+            time.sleep(0.05)  # another process is computing it: its file appears soon
+
+
+def _claim_alive(claim: Path) -> bool:
+    """Whether the process named in a claim file still runs (an unreadable claim counts as alive:
+    its writer may not have written its pid yet)."""
+    try:
+        pid = int(claim.read_text() or 0)
+    except (OSError, ValueError):
+        return True
+    if pid <= 0:
+        return time.time() - _mtime(claim) < 60  # created, pid not yet written
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    return True
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+class FeatureStream:
+    """``--stream-features N``: N processes computing, beside training, the features of the
+    samples the next steps read (:meth:`ahead`); their CPU time (:meth:`cpu_seconds`) is the
+    run's too. Each loads its own copy of the target."""
+
+    def __init__(self, target: str, taps: list[int], topk: int, cache_dir: Path, workers: int):
+        self.store = FeatureStore(None, taps, topk, cache_dir)
+        ctx = mp.get_context("spawn")
+        self.requests = ctx.Queue()
+        self.cpu = ctx.Array("d", workers)
+        self.computed = ctx.Array("i", workers)  # samples each worker computed
+        self.sent: set[str] = set()
+        old = os.environ.get("OPENBLAS_NUM_THREADS")
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read by each child's OpenBLAS at load
+        try:
+            self.procs = [ctx.Process(target=_stream_worker, daemon=True, name=f"features-{w}",
+                                      args=(str(target), list(taps), int(topk), str(cache_dir),
+                                            self.requests, self.cpu, self.computed, w))
+                          for w in range(workers)]
+            for p in self.procs:
+                p.start()
+        finally:
+            if old is None:
+                os.environ.pop("OPENBLAS_NUM_THREADS", None)
+            else:
+                os.environ["OPENBLAS_NUM_THREADS"] = old
+
+    def ahead(self, samples: list[Sample]) -> None:
+        """Ask for the features of ``samples`` (in this order), once each."""
+        for s in samples:
+            if s.id not in self.sent and not self.store.has(s):
+                self.sent.add(s.id)
+                self.requests.put(s)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the workers spent so far (updated after each sample they finish)."""
+        return float(sum(self.cpu[:]))
+
+    def samples_computed(self) -> int:
+        return int(sum(self.computed[:]))
+
+    def close(self) -> None:
+        for _ in self.procs:
+            self.requests.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()  # in the middle of a sample: its claim is taken over later
+                p.join()
+
+
+def _stream_worker(target: str, taps: list[int], topk: int, cache_dir: str, requests,
+                   cpu, computed, worker: int) -> None:
+    parent = os.getppid()
+    model, _ = load(target)
+    store = FeatureStore(target_parts(model), taps, topk, Path(cache_dir))
+    cpu[worker] = time.process_time()
+    while True:
+        try:
+            sample = requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return  # the run is gone
+            continue
+        if sample is None:
+            return
+        store.prepare([sample])
+        cpu[worker] = time.process_time()
+        computed[worker] = store.samples_computed
 
 
 def _feature_worker(target: str, data: str, taps: list[int], topk: int, cache_dir: str,
@@ -137,7 +301,7 @@ def _feature_worker(target: str, data: str, taps: list[int], topk: int, cache_di
     bar = tqdm(todo, desc=f"features[{worker}]", position=worker, disable=not progress,
                unit="seq", mininterval=5.0)
     for s in bar:
-        store.get(s)
+        store.prepare([s])  # a sample another process is computing is left to it
         bar.set_postfix(tok_s=f"{store.tokens_computed / max(store.compute_time, 1e-9):.0f}")
     bar.close()
 

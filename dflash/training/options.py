@@ -114,6 +114,10 @@ class TrainOptions:
         "auto", "folder for cached target features, `auto` (<out>/train/features) or none")
     feature_workers: int = option(
         0, "processes that fill the feature cache before training (0: compute lazily)")
+    stream_features: int = option(
+        0, "processes that compute, while training runs, the target features of the samples "
+        "the next steps read (cached as they go; the training process computes what they have not "
+        "reached). Their CPU counts in the run's")
     only_cached: bool = option(
         False, "train only on samples whose features are already cached (a separate "
         "--features-only job fills the cache as datagen writes new samples)")
@@ -182,6 +186,14 @@ class TrainOptions:
                                    f"--block-size ({self.block_size})")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise TrainConfigError(f"--sliding-window {self.sliding_window}: must be >= 2")
+        if self.stream_features < 0:
+            raise TrainConfigError(f"--stream-features {self.stream_features}: must be >= 0")
+        if self.stream_features and self.only_cached:
+            raise TrainConfigError("--stream-features with --only-cached: nothing would be "
+                                   "streamed (a run on the cached samples only)")
+        if self.stream_features and self.feature_cache in ("none", "", None):
+            raise TrainConfigError("--stream-features needs a feature cache (--feature-cache): "
+                                   "the workers hand the features over through it")
         if self.lr_schedule == "cpu" and self.cpu_budget is None:
             raise TrainConfigError("--lr-schedule cpu: needs --cpu-budget (what it runs over)")
         for name in ("time_budget", "max_minutes", "cpu_budget"):

@@ -38,7 +38,7 @@ from . import checkpoints
 from .batches import Batch, make_batch
 from .data import DataOrder, Sample, read_samples, seen_ids
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
-from .features import FeatureStore, precompute_features
+from .features import FeatureStore, FeatureStream, precompute_features
 from .initialise import (
     DEFAULT_WINDOW,
     align_context,
@@ -57,6 +57,10 @@ from .loss import block_loss, block_stats
 from .options import TrainOptions
 from .recipe import default_gamma, loss_weights, parse_taps, pick_mask_token
 from .vocab import TrainingVocab, initial_vocab
+
+# Steps of samples the feature workers may compute ahead while the run evaluates (minutes of
+# engine decoding on one core: the workers keep the other cores busy meanwhile)
+EVAL_AHEAD_STEPS = 32
 
 
 def _status(message: str) -> None:
@@ -155,6 +159,13 @@ class Trainer:
             cache_dir = base / FeatureStore.signature(self.taps, o.soft_topk)
         self.features = FeatureStore(self.parts, self.taps, o.soft_topk, cache_dir)
         self._precompute(samples)
+        self.stream = None
+        if o.stream_features:
+            if self.ranks.distributed:
+                raise TrainConfigError("--stream-features: one process only (not under "
+                                       "mlx.launch); use --feature-workers before the run")
+            self.stream = FeatureStream(o.target, self.taps, o.soft_topk, cache_dir,
+                                        o.stream_features)
         if o.only_cached:
             samples = self._cached(samples)
 
@@ -302,6 +313,21 @@ class Trainer:
         ``batch_seqs * ranks`` and takes its own shard."""
         return self.ranks.shard(self.data.next_samples(self.opts.batch_seqs * self.ranks.size))
 
+    def _feed_stream(self, steps: int) -> None:
+        """Ask the feature workers for the samples of the next ``steps`` steps."""
+        if self.stream is not None:
+            self.stream.ahead(self.data.peek(steps * self.opts.batch_seqs * self.ranks.size))
+
+    def _feature_counts(self) -> dict:
+        """Target features computed by this invocation: samples (this process and the stream's
+        workers) and the seconds this process spent on them (what the cache saves)."""
+        n = self.features.samples_computed
+        counts = {"feat_s": round(self.features.compute_time, 1)}
+        if self.stream is not None:
+            n += self.stream.samples_computed()
+            counts["stream_cpu_s"] = round(self.stream.cpu_seconds(), 1)
+        return {"feat_n": n, **counts}
+
     def _step_rng(self) -> np.random.Generator:
         """The step's anchors and negatives (each rank draws its own)."""
         key = [self.opts.seed, self.step, 3] + ([self.ranks.rank] if self.ranks.distributed else [])
@@ -363,7 +389,8 @@ class Trainer:
     def cpu_seconds(self) -> float:
         """CPU time of the run so far (``time.process_time()``: all threads of this process), over
         all its invocations, less its evaluations': what ``--cpu-budget`` limits."""
-        return self.cpu_before + time.process_time() - self._cpu_start - self._eval_cpu
+        streamed = self.stream.cpu_seconds() if self.stream else 0.0
+        return self.cpu_before + time.process_time() - self._cpu_start - self._eval_cpu + streamed
 
     @property
     def eval_cpu_seconds(self) -> float:
@@ -414,6 +441,13 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Path:
+        try:
+            return self._run()
+        finally:
+            if self.stream is not None:
+                self.stream.close()
+
+    def _run(self) -> Path:
         o = self.opts
         t_start = time.time()
         end_step = o.steps if o.stop_after is None else min(o.steps, self.step + o.stop_after)
@@ -428,13 +462,19 @@ class Trainer:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         if o.init_from and o.eval_every and main and self.step == 0 and not self.history:
             # a continued drafter starts far from τ 1: its curve starts where it starts
+            self._feed_stream(EVAL_AHEAD_STEPS)
             self._record({"step": 0, "cpu_s": round(self.cpu_seconds, 1), **self._evaluate(val)})
         while self.step < end_step:
             rng = self._step_rng()
             before = (self.data.state(), self.draft.parameters(),
                       tree_map(lambda x: x, self.optimizer.state))
             try:
-                batch = self.make_batch(self._next_samples(), rng)
+                samples = self._next_samples()
+                # the workers take the next steps' samples while this process computes what
+                # they have not claimed of this step's (and waits for the rest)
+                self._feed_stream(2 * max(1, o.stream_features))
+                self.features.prepare(samples)
+                batch = self.make_batch(samples, rng)
                 st = self.train_step(batch)
             except KeyboardInterrupt:
                 # The step did not happen: put weights, optimizer and data cursor back, save, stop.
@@ -467,9 +507,11 @@ class Trainer:
                           "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
                           "cpu_s": round(self.cpu_seconds, 1),
                           **{k: round(v, 4) for k, v in self.ema.items()},
-                          "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids)}
+                          "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids),
+                          **self._feature_counts()}
             if o.eval_every and main and (self.step % o.eval_every == 0 or last):
                 record = record or {"step": self.step}
+                self._feed_stream(EVAL_AHEAD_STEPS)  # an evaluation takes minutes
                 record.update(self._evaluate(val))
             if record and main:
                 self._record(record)

@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# The two ways to train the built-in drafter on the new records, each for its first 2 CPU-hours:
+# The two ways to train the built-in drafter on the new records:
 #
 #   continue  from final-v4 (its float checkpoint at step 5,250, kept in git history; its
 #             vocabulary grown by what the new records use)
 #   fresh     a new drafter with final-v4's recipe
 #
 # Both read the same records (the sealed shards in datasets/smollm2/shards and the records kept
-# before shards) and train only on those whose target features are cached (`--only-cached
-# --refresh-data`: a `--features-only` job may keep filling the cache beside them; each arm picks
-# the new ones up at its epoch boundaries). τ on the five-domain held-out set
-# (`heldout-domains`: math, chat, code, agent turns, long contexts) every 250 steps lands in
-# RUN/train/metrics.jsonl; `python -m dflash.training.curve` plots τ against CPU-hours.
+# before shards). Where the target features come from (FEATURES):
 #
-# Usage: bash recipes/smollm2/arms.sh continue|fresh     (rerun to resume; CPU_BUDGET=7200)
+#   stream  (default) every record, in one shuffled order; a second process computes the
+#           features of the next steps' records beside training (`--stream-features 1`), the
+#           training process those it has not reached; both cached under
+#           $DFLASH_HOME/data/smollm2/features-all, their CPU counted in the run's
+#   cached  only the records whose features are cached (`--only-cached --refresh-data`: a
+#           `--features-only` job may keep filling the cache beside them; the run picks the new
+#           ones up at its epoch boundaries)
+#
+# τ on the five-domain held-out set (`heldout-domains`: math, chat, code, agent turns, long
+# contexts) every EVAL_EVERY steps lands in RUN/train/metrics.jsonl; `python -m
+# dflash.training.curve` plots τ against CPU-hours.
+#
+# Usage: bash recipes/smollm2/arms.sh continue|fresh     (rerun to resume)
+#   env: LR (peak, 6e-4), CPU_BUDGET (7200 CPU-s: what the learning rate anneals over),
+#        FEATURES (stream|cached), EVAL_EVERY (250), RUN (the run's folder name, arm-ARM)
 # Needs: bash recipes/smollm2/build.sh records (the old records under $DFLASH_HOME/data/smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,12 +30,17 @@ PY=${PYTHON:-python3}
 export DFLASH_HOME=${DFLASH_HOME:-$HOME/.cache/dflash}
 ARM=${1:-}
 D=$DFLASH_HOME/data/smollm2
-OUT=$DFLASH_HOME/runs/arm-$ARM
+OUT=$DFLASH_HOME/runs/${RUN:-arm-$ARM}
 DATA=datasets/smollm2/shards,$D/gen-math,$D/gen-chat,$D/gen-code
-ARGS=(--layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr 6e-4 --loss mix
+ARGS=(--layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr "${LR:-6e-4}" --loss mix
       --soft-weight 0.5 --soft-topk 16 --steps 50000 --cpu-budget "${CPU_BUDGET:-7200}"
-      --lr-schedule cpu --checkpoint-every 50 --eval-every 250 --eval-n 4
-      --eval-block-sizes 16 --eval-prompts heldout-domains --refresh-data --seed 0)
+      --lr-schedule cpu --checkpoint-every 50 --eval-every "${EVAL_EVERY:-250}" --eval-n 4
+      --eval-block-sizes 16 --eval-prompts heldout-domains --seed 0)
+case ${FEATURES:-stream} in
+  stream) FEAT=(--stream-features 1) ;;
+  cached) FEAT=(--only-cached --refresh-data) ;;
+  *) echo "arms.sh: FEATURES is stream or cached, got '$FEATURES'" >&2; exit 2 ;;
+esac
 for d in gen-math gen-chat gen-code; do
   [ -d "$D/$d" ] || { echo "arms.sh: $D/$d missing: run bash recipes/smollm2/build.sh records" >&2; exit 2; }
 done
@@ -47,4 +62,4 @@ esac
 resume=()
 if [ -d "$OUT/train" ]; then resume=(--resume); INIT=(); fi
 $PY -m dflash train --data "$DATA" --out "$OUT" "${resume[@]}" "${INIT[@]}" \
-    --feature-cache "$D/features-all" --only-cached --no-progress "${ARGS[@]}"
+    --feature-cache "$D/features-all" "${FEAT[@]}" --no-progress "${ARGS[@]}"
