@@ -333,6 +333,57 @@ def test_a_sample_claimed_by_a_live_process_is_waited_for_and_a_dead_claim_taken
 
 
 @pytest.mark.slow
+def test_a_step_waiting_for_a_claimed_sample_computes_the_next_steps_meanwhile(
+        pattern, tmp_path):
+    """While another process holds one of this step's samples, the training process computes
+    the features of the steps ahead instead of idling, then the step takes over the claim of
+    a process that died."""
+    tr = Trainer(opts(pattern, tmp_path / "d", stream_features=1, soft_topk=4))
+    try:
+        samples = tr._next_samples()
+        held = samples[0]
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        claim = tr.features.path(held).with_suffix(".claim")
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        claim.write_text(str(sleeper.pid))
+        tr._prepare(samples)
+        ahead = tr.data.peek(10_000)
+        assert not tr.features.has(held)
+        assert all(tr.features.has(s) for s in samples[1:] + ahead)
+        assert tr.features.samples_computed >= len(samples) - 1
+        sleeper.kill()
+        sleeper.wait()
+        batch = tr.make_batch(samples, np.random.default_rng(0))  # takes the dead claim over
+        assert batch.n_rows > 0 and tr.features.has(held) and not claim.exists()
+    finally:
+        tr.stream.close()
+
+
+def test_features_in_chunks_are_the_rows_of_one_pass(pattern, tmp_path):
+    """A long record's features are computed in chunks through one cache: the rows one pass
+    over the whole sequence gives (cut or not)."""
+    tr = Trainer(opts(pattern, tmp_path / "d", soft_topk=4))
+    s = tr.samples[5]
+    one = FeatureStore(tr.parts, [0, 2], 4, None)
+    chunked = FeatureStore(tr.parts, [0, 2], 4, None)
+    chunked.chunk = 7
+    for prefix in (None, s.ids[:12]):
+        ids = s.ids if prefix is None else s.ids[12:]
+        a, b = one.compute(ids, prefix), chunked.compute(ids, prefix)
+        assert a["feats"].shape == b["feats"].shape == (len(ids), 2 * tr.parts.hidden_size)
+        assert np.allclose(a["feats"].astype(np.float32), b["feats"].astype(np.float32),
+                           atol=2e-3)
+        # the same top-k per row (argpartition leaves its order free): compare by id
+        ia, ib = np.argsort(a["top_ids"], -1), np.argsort(b["top_ids"], -1)
+        ids_a, ids_b = (np.take_along_axis(x["top_ids"], i, -1) for x, i in ((a, ia), (b, ib)))
+        same = (ids_a == ids_b).all(-1)
+        assert same.mean() > 0.95
+        lp_a, lp_b = (np.take_along_axis(x["top_logp"], i, -1).astype(np.float32)
+                      for x, i in ((a, ia), (b, ib)))
+        assert np.allclose(lp_a[same], lp_b[same], atol=2e-3)
+
+
+@pytest.mark.slow
 def test_streamed_features_train_the_same_run_and_their_cpu_counts(pattern, tmp_path):
     """--stream-features: a worker computes the next steps' features beside training; the run
     is the one that computes every feature itself, each sample is computed once, and the
@@ -778,6 +829,34 @@ def test_interrupted_run_checkpoints_and_resumes_exactly(pattern, tmp_path):
     resumed.run()
     assert_same_weights(straight.draft, resumed.draft)
     assert (resumed.epoch, resumed.cursor) == (straight.epoch, straight.cursor)
+
+
+@pytest.mark.slow
+def test_kill_checkpoints_the_step_in_flight_and_resume_continues(pattern, tmp_path):
+    """SIGTERM (a background run ignores Ctrl-C) stops `dflash train` as Ctrl-C does: a
+    checkpoint at the last finished step, exit 130, --resume goes on from there."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "dflash", "train", "--target", str(pattern["target"]),
+            "--data", str(pattern["data"]), "--out", str(out), "--layers", "1", "--block-size",
+            "8", "--taps", "0,2", "--steps", "100000", "--anchors", "8", "--val-percent", "0",
+            "--checkpoint-every", "100000", "--no-progress"]
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "train" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.2)  # the first record is written at step 10
+    proc.terminate()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    [ckpt] = sorted((out / "train").glob("step-*"))
+    step = json.loads((ckpt / "state.json").read_text())["step"]
+    assert step >= 10
+    resumed = Trainer(opts(pattern, out, taps="0,2", anchors=8, steps=step + 2, resume=True,
+                           checkpoint_every=100000))
+    assert resumed.step == step
+    resumed.run()
+    assert resumed.step == step + 2
 
 
 # ---------------------------------------------------------------------------------------------

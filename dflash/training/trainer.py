@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -61,6 +63,10 @@ from .vocab import TrainingVocab, initial_vocab
 # Steps of samples the feature workers may compute ahead while the run evaluates (minutes of
 # engine decoding on one core: the workers keep the other cores busy meanwhile)
 EVAL_AHEAD_STEPS = 32
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _status(message: str) -> None:
@@ -313,6 +319,20 @@ class Trainer:
         ``batch_seqs * ranks`` and takes its own shard."""
         return self.ranks.shard(self.data.next_samples(self.opts.batch_seqs * self.ranks.size))
 
+    def _prepare(self, samples: list[Sample]) -> None:
+        """Compute this step's features that no worker has claimed; while a worker finishes the
+        others (a long-context record takes minutes), compute those of the next steps instead of
+        waiting."""
+        self.features.prepare(samples)
+        if self.stream is None:
+            return
+        ahead = None
+        while not all(self.features.has(s) for s in samples):
+            ahead = ahead or self.data.peek(EVAL_AHEAD_STEPS * self.opts.batch_seqs
+                                            * self.ranks.size)
+            if not self.features.prepare_one(ahead):
+                return  # nothing left to take: make_batch waits for the workers' files
+
     def _feed_stream(self, steps: int) -> None:
         """Ask the feature workers for the samples of the next ``steps`` steps."""
         if self.stream is not None:
@@ -441,9 +461,15 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Path:
+        # SIGTERM (what `kill` sends; a background job ignores Ctrl-C) ends the run as Ctrl-C
+        # does: the step in flight is undone and checkpointed, so --resume loses nothing
+        main_thread = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
         try:
             return self._run()
         finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, before)
             if self.stream is not None:
                 self.stream.close()
 
@@ -473,7 +499,7 @@ class Trainer:
                 # the workers take the next steps' samples while this process computes what
                 # they have not claimed of this step's (and waits for the rest)
                 self._feed_stream(2 * max(1, o.stream_features))
-                self.features.prepare(samples)
+                self._prepare(samples)
                 batch = self.make_batch(samples, rng)
                 st = self.train_step(batch)
             except KeyboardInterrupt:
