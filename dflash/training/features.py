@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..target import forward, make_cache, target_parts
 from ..target import load_target as load
-from ..workers import run_per_core
+from ..workers import run_per_core, start_per_core
 from .data import Sample, read_samples
 
 # Rows per pass when computing features (long-context records run several passes through one cache)
@@ -256,20 +256,9 @@ class FeatureStream:
         self.cpu = ctx.Array("d", workers)
         self.computed = ctx.Array("i", workers)  # samples each worker computed
         self.sent: set[str] = set()
-        old = os.environ.get("OPENBLAS_NUM_THREADS")
-        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read by each child's OpenBLAS at load
-        try:
-            self.procs = [ctx.Process(target=_stream_worker, daemon=True, name=f"features-{w}",
-                                      args=(str(target), list(taps), int(topk), str(cache_dir),
-                                            self.requests, self.cpu, self.computed, w))
-                          for w in range(workers)]
-            for p in self.procs:
-                p.start()
-        finally:
-            if old is None:
-                os.environ.pop("OPENBLAS_NUM_THREADS", None)
-            else:
-                os.environ["OPENBLAS_NUM_THREADS"] = old
+        self.procs = start_per_core(
+            _stream_worker, [(str(target), list(taps), int(topk), str(cache_dir), self.requests,
+                              self.cpu, self.computed, w) for w in range(workers)], daemon=True)
 
     def ahead(self, samples: list[Sample]) -> None:
         """Ask for the features of ``samples`` (in this order), once each."""

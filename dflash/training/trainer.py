@@ -328,15 +328,18 @@ class Trainer:
             return
         ahead = None
         while not all(self.features.has(s) for s in samples):
-            ahead = ahead or self.data.peek(EVAL_AHEAD_STEPS * self.opts.batch_seqs
-                                            * self.ranks.size)
+            ahead = ahead or self._upcoming(EVAL_AHEAD_STEPS)
             if not self.features.prepare_one(ahead):
                 return  # nothing left to take: make_batch waits for the workers' files
+
+    def _upcoming(self, steps: int) -> list[Sample]:
+        """The samples of the next ``steps`` steps (of this epoch), all ranks'."""
+        return self.data.peek(steps * self.opts.batch_seqs * self.ranks.size)
 
     def _feed_stream(self, steps: int) -> None:
         """Ask the feature workers for the samples of the next ``steps`` steps."""
         if self.stream is not None:
-            self.stream.ahead(self.data.peek(steps * self.opts.batch_seqs * self.ranks.size))
+            self.stream.ahead(self._upcoming(steps))
 
     def _feature_counts(self) -> dict:
         """Target features computed by this invocation: samples (this process and the stream's
