@@ -8,9 +8,10 @@
 # Both read the same records (the sealed shards in datasets/smollm2/shards and the records kept
 # before shards). Where the target features come from (FEATURES):
 #
-#   stream  (default) every record, in one shuffled order; a second process computes the
-#           features of the next steps' records beside training (`--stream-features 1`), the
-#           training process those it has not reached; both cached under
+#   stream  (default) every record, in one shuffled order; STREAM_WORKERS more processes (1)
+#           compute the features of the next steps' records beside training
+#           (`--stream-features N`; 0 leaves a core to the records job), the training process
+#           those they have not reached; all cached under
 #           $DFLASH_HOME/data/smollm2/features-all, their CPU counted in the run's
 #   cached  only the records whose features are cached (`--only-cached --refresh-data`: a
 #           `--features-only` job may keep filling the cache beside them; the run picks the new
@@ -22,7 +23,8 @@
 #
 # Usage: bash recipes/smollm2/arms.sh continue|fresh     (rerun to resume)
 #   env: LR (peak, 6e-4), CPU_BUDGET (7200 CPU-s: what the learning rate anneals over),
-#        FEATURES (stream|cached), EVAL_EVERY (250), RUN (the run's folder name, arm-ARM)
+#        FEATURES (stream|cached), STREAM_WORKERS (1), EVAL_EVERY (250),
+#        RUN (the run's folder name, arm-ARM)
 # Needs: bash recipes/smollm2/build.sh records (the old records under $DFLASH_HOME/data/smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,7 +39,7 @@ ARGS=(--layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr "${LR:-6e-4}" 
       --lr-schedule cpu --checkpoint-every 50 --eval-every "${EVAL_EVERY:-250}" --eval-n 4
       --eval-block-sizes 16 --eval-prompts heldout-domains --seed 0)
 case ${FEATURES:-stream} in
-  stream) FEAT=(--stream-features 1) ;;
+  stream) FEAT=(--stream-features "${STREAM_WORKERS:-1}") ;;
   cached) FEAT=(--only-cached --refresh-data) ;;
   *) echo "arms.sh: FEATURES is stream or cached, got '$FEATURES'" >&2; exit 2 ;;
 esac
