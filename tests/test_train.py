@@ -383,6 +383,32 @@ def test_features_in_chunks_are_the_rows_of_one_pass(pattern, tmp_path):
         assert np.allclose(lp_a[same], lp_b[same], atol=2e-3)
 
 
+def test_prompt_rows_skip_the_head(pattern, tmp_path):
+    """The head runs on response rows only (training reads no other): their top-k is the one a
+    full pass gives, prompt rows hold the filler, and every row a batch reads is a response row."""
+    from dflash.training.capture import FILLER_LOGP
+    from dflash.training.recipe import sample_anchors
+
+    tr = Trainer(opts(pattern, tmp_path / "d", soft_topk=4))
+    s = tr.samples[5]
+    store = FeatureStore(tr.parts, [0, 2], 4, None)
+    store.chunk = 7  # the head starts inside a chunk
+    full, part = store.compute(s.ids), store.compute(s.ids, head_from=s.prompt_len)
+    p = s.prompt_len
+    assert 0 < p < len(s.ids)
+    assert np.array_equal(part["feats"], full["feats"])
+    assert (part["top_ids"][:p] == 0).all() and (part["top_logp"][:p] == FILLER_LOGP).all()
+    assert np.isfinite(part["top_logp"][p:].astype(np.float32)).all()
+    same = (np.sort(full["top_ids"][p:], -1) == np.sort(part["top_ids"][p:], -1)).all(-1)
+    assert same.mean() > 0.95  # argpartition leaves the order free; ties may swap the k-th
+    assert np.allclose(np.sort(full["top_logp"][p:].astype(np.float32), -1),
+                       np.sort(part["top_logp"][p:].astype(np.float32), -1), atol=1e-2)
+    rng = np.random.default_rng(0)
+    for sample in tr.samples:
+        a = sample_anchors(rng, sample.prompt_len, len(sample.ids), 48)
+        assert len(a) == 0 or a.min() >= sample.prompt_len  # soft rows a..a+14 are response rows
+
+
 @pytest.mark.slow
 def test_streamed_features_train_the_same_run_and_their_cpu_counts(pattern, tmp_path):
     """--stream-features: a worker computes the next steps' features beside training; the run
@@ -748,7 +774,7 @@ def test_cut_sample_features_are_the_whole_sequence_rows(pattern, tmp_path):
     parts = target_parts(model)
     store = FeatureStore(parts, [0, 2], 4, tmp_path / "features")
     whole = np.asarray(rec["prompt_ids"] + rec["response_ids"], np.int32)
-    ref = store.compute(whole)  # the uncut record, in one pass
+    ref = store.compute(whole, head_from=len(rec["prompt_ids"]))  # the uncut record, one pass
     got = store.get(s)
     assert store.has(s) and store.path(s).is_file()
     for k in ("feats", "top_ids", "top_logp"):

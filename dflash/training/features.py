@@ -35,6 +35,7 @@ from tqdm import tqdm
 from ..target import forward, make_cache, target_parts
 from ..target import load_target as load
 from ..workers import run_per_core, start_per_core
+from .capture import FILLER_LOGP
 from .data import Sample, read_samples
 
 # Rows per pass when computing features (long-context records run several passes through one cache)
@@ -46,8 +47,11 @@ class FeatureStore:
 
     ``feats[p]`` are the tap outputs for the token at position ``p``; ``top_ids[p]`` / ``top_logp[p]``
     the target's distribution of the token at ``p + 1`` (teacher-forced), over the full head so that
-    one cache serves every run. Stored per sample under ``cache_dir`` when given, else computed on
-    demand.
+    one cache serves every run, for response rows ``p >= prompt_len`` (the only ones training
+    reads: anchors lie in the response). Prompt rows hold the filler of ``capture`` (id 0,
+    log-probability -inf) and never reach the head: on a long-context record, nearly all prompt,
+    the head is ~20 % of the target pass. Stored per sample under ``cache_dir`` when given, else
+    computed on demand.
     """
 
     def __init__(self, parts, taps: list[int], topk: int, cache_dir: Path | None):
@@ -89,12 +93,15 @@ class FeatureStore:
         whole = self._whole(sample)
         return self.path(sample).is_file() or (whole is not None and whole.is_file())
 
-    def compute(self, ids: np.ndarray, prefix: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """Features and top-k of ``ids``, read by the target after ``prefix`` (its rows dropped)."""
+    def compute(self, ids: np.ndarray, prefix: np.ndarray | None = None,
+                head_from: int = 0) -> dict[str, np.ndarray]:
+        """Features and top-k of ``ids``, read by the target after ``prefix`` (its rows dropped);
+        the top-k of rows of ``ids`` before ``head_from`` is filler (the head never sees them)."""
         t0 = time.perf_counter()
         skip = 0 if prefix is None else len(prefix)
         tokens = np.concatenate([prefix, ids]) if skip else np.asarray(ids)
-        logits, feats = self._forward(tokens, skip)
+        head_from = min(max(int(head_from), 0), len(ids))
+        logits, feats = self._forward(tokens, skip, skip + head_from)
         feats = feats.astype(mx.float16)
         res = {}
         if self.topk:
@@ -105,8 +112,10 @@ class FeatureStore:
             k = min(self.topk, lg.shape[-1])
             top = np.argpartition(-lg, k - 1, axis=-1)[:, :k]
             logp = np.take_along_axis(lg, top, -1) - np.array(lse)
-            res["top_ids"] = top.astype(np.int32)
-            res["top_logp"] = logp.astype(np.float16)
+            res["top_ids"] = np.concatenate([np.zeros((head_from, k), np.int32),
+                                             top.astype(np.int32)])
+            res["top_logp"] = np.concatenate([np.full((head_from, k), FILLER_LOGP, np.float16),
+                                              logp.astype(np.float16)])
         else:
             mx.eval(feats)
         res["feats"] = np.array(feats)
@@ -156,7 +165,7 @@ class FeatureStore:
 
     def compute_and_store(self, sample: Sample) -> dict[str, np.ndarray]:
         """Compute ``sample``'s features and write them (atomically: a reader never sees half)."""
-        res = self.compute(sample.ids, sample.prefix)
+        res = self.compute(sample.ids, sample.prefix, sample.prompt_len)
         path = self.path(sample)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.stem + f".tmp{os.getpid()}.npz")
@@ -173,18 +182,19 @@ class FeatureStore:
         while self.prepare_one(samples):
             pass
 
-    def _forward(self, tokens: np.ndarray, skip: int) -> tuple[mx.array, mx.array]:
-        """Logits and taps of the rows past ``skip``: one teacher-forced pass, fed in chunks of
-        ``self.chunk`` rows through one cache. The same rows as a single pass (to float
-        rounding), without every layer's whole attention matrix at once: on a 4,836-token
-        long-context record 105 CPU-s instead of 154."""
+    def _forward(self, tokens: np.ndarray, skip: int, head_from: int) -> tuple[mx.array, mx.array]:
+        """Taps of the rows past ``skip`` and logits of the rows past ``head_from``: one
+        teacher-forced pass, fed in chunks of ``self.chunk`` rows through one cache. The same
+        rows as a single pass (to float rounding), without every layer's whole attention matrix
+        at once: on a 4,836-token long-context record 105 CPU-s instead of 154."""
         cache = make_cache(self.parts)
         logits, feats = [], []
         for start in range(0, len(tokens), self.chunk):
             piece = tokens[start:start + self.chunk]
             keep = min(max(skip - start, 0), len(piece))  # rows of this piece inside the prefix
+            head = min(max(head_from - start, 0), len(piece))  # rows of this piece before the head
             lg, ft = forward(self.parts, mx.array(piece)[None], cache, self.taps,
-                             logits_rows=slice(keep, None) if keep else None)
+                             logits_rows=slice(head, None) if head else None)
             lg, ft = lg[0], ft[0, keep:]
             mx.eval(lg, ft, *[c.state for c in cache])  # the cache grows chunk by chunk
             logits.append(lg)
@@ -208,7 +218,7 @@ class FeatureStore:
 
     def get(self, sample: Sample) -> dict[str, np.ndarray]:
         if self.cache_dir is None:
-            return self.compute(sample.ids, sample.prefix)
+            return self.compute(sample.ids, sample.prefix, sample.prompt_len)
         while True:
             res = self._load(sample)
             if res is not None:
