@@ -49,9 +49,10 @@ class FeatureStore:
     the target's distribution of the token at ``p + 1`` (teacher-forced), over the full head so that
     one cache serves every run, for response rows ``p >= prompt_len`` (the only ones training
     reads: anchors lie in the response). Prompt rows hold the filler of ``capture`` (id 0,
-    log-probability -inf) and never reach the head: on a long-context record, nearly all prompt,
-    the head is ~20 % of the target pass. Stored per sample under ``cache_dir`` when given, else
-    computed on demand.
+    log-probability -inf) and never reach the head, which saves ~12 % of a long-context record's
+    pass (4,836 tokens, 92 % prompt: 108-117 CPU-s instead of 123-135) and 10-16 % of short ones
+    (six records, 42 % prompt). Stored per sample under ``cache_dir`` when given, else computed
+    on demand.
     """
 
     def __init__(self, parts, taps: list[int], topk: int, cache_dir: Path | None):
