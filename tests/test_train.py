@@ -287,9 +287,11 @@ def test_target_features_are_the_tapped_layer_outputs(pattern, tmp_path):
     logits, taps = forward(tr.parts, mx.array(s.ids)[None], make_cache(tr.parts), [0, 2])
     assert np.allclose(f["feats"].astype(np.float32), np.array(taps[0]), atol=2e-3)
     # teacher row p is the target's distribution of the token at p+1: its top id = greedy next
-    top = f["top_ids"][np.arange(len(s.ids)), np.argmax(f["top_logp"], -1)]
-    assert (top == np.array(mx.argmax(logits[0], -1))).all()
-    assert (top[s.prompt_len - 1:-1] == s.ids[s.prompt_len:]).all()  # the pattern, greedy
+    # (response rows: training reads no others, and prompt rows never reach the head)
+    p = s.prompt_len
+    top = f["top_ids"][np.arange(p, len(s.ids)), np.argmax(f["top_logp"][p:], -1)]
+    assert (top == np.array(mx.argmax(logits[0, p:], -1))).all()
+    assert (top[:-1] == s.ids[p + 1:]).all()  # the pattern, greedy
 
 
 def test_a_sample_claimed_by_a_live_process_is_waited_for_and_a_dead_claim_taken_over(
