@@ -243,11 +243,14 @@ def test_run_records_resumes_without_loss_or_repeat(target, tmp_path):
 
     work = tmp_path / "work"
     kw = dict(sources=tiny_sources(), legacy=[], home=tmp_path, pid_file=False, chunk=4)
-    run_records(str(target), work, None, max_records=3, **kw)
+    one = run_records(str(target), work, None, max_records=3, **kw)
     first = list(iter_records(work))
     assert len(first) == 3
     (tmp_path / "SEAL").touch()  # the job seals its open shards, full or not, between records
-    run_records(str(target), work, None, max_records=2, **kw)
+    two = run_records(str(target), work, None, max_records=2, **kw)
+    # status.json keeps the totals over runs (the CPU-hours a data budget counts)
+    assert two["made_all_runs"] == 5 and two["made"] == 2
+    assert abs(two["cpu_s_all_runs"] - (one["cpu_s"] + two["cpu_s"])) <= 0.15  # each rounded
     assert not (tmp_path / "SEAL").exists()
     assert sum(e["count"] for e in read_manifest(work)["shards"].values()) == 3
     stats = run_records(str(target), work, None, **kw)
@@ -255,6 +258,7 @@ def test_run_records_resumes_without_loss_or_repeat(target, tmp_path):
     rows = list(iter_records(work))
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == 11  # 12 prompts, one a copy of another's tokens
+    assert stats["made_all_runs"] == 11
     assert "chat-dup" not in ids or "chat-t0" not in ids
     assert all(r in rows for r in first)  # what was written stays as it was
     _, tok = load_target(str(target))

@@ -14,7 +14,8 @@ runs in the background for days, across machines, beside other work:
   repeating a record; restarted with more sources it simply has more to do;
 * between records it sleeps while ``$DFLASH_HOME/PAUSE`` exists (speed is measured on a quiet
   machine) and stops cleanly when ``$DFLASH_HOME/STOP`` appears; its pid is in
-  ``$DFLASH_HOME/datagen.pid`` and its progress in ``<work>/status.json``;
+  ``$DFLASH_HOME/datagen.pid`` and its progress in ``<work>/status.json`` (this run's and, as
+  ``made_all_runs`` / ``cpu_s_all_runs``, every run's: the CPU-hours a data budget counts);
 * ``dflash records publish`` copies sealed shards into the repository (commit each once);
   ``dflash records status`` prints what is done.
 
@@ -121,6 +122,18 @@ def _bucket(n: int) -> int:
     return next(i for i, (most, _) in enumerate(BUCKETS) if n <= most or i == len(BUCKETS) - 1)
 
 
+def _earlier_runs(work: Path) -> dict[str, float]:
+    """Records made and CPU-s spent by the earlier runs into ``work``, from its ``status.json``
+    (a file from before these totals counts its own run only; an unreadable one counts nothing).
+    What a killed run did after its last status write is not counted."""
+    try:
+        last = json.loads((work / "status.json").read_text())
+    except (OSError, ValueError):
+        return {"made": 0, "cpu_s": 0.0}
+    return {"made": int(last.get("made_all_runs", last.get("made")) or 0),
+            "cpu_s": float(last.get("cpu_s_all_runs", last.get("cpu_s")) or 0.0)}
+
+
 def run_records(target: str | None = None, work: str | Path | None = None,
                 repo: str | Path | None = None, *, domains: list[str] | None = None,
                 weights: dict[str, float] | None = None, max_records: int | None = None,
@@ -180,6 +193,7 @@ def run_records(target: str | None = None, work: str | Path | None = None,
         f"{store.status()['total']} records in shards -> {work}")
     made = 0
     stats = {"started": time.time(), "made": 0, "by_domain": {}, "tokens": 0}
+    before = _earlier_runs(work)
     cpu0, wall0 = time.process_time(), time.time()
     stopped = False
 
@@ -189,7 +203,9 @@ def run_records(target: str | None = None, work: str | Path | None = None,
         stats.update(made=made, cpu_s=round(cpu, 1), wall_s=round(wall, 1),
                      records_per_cpu_hour=round(made / cpu * 3600, 1) if cpu else None,
                      records_per_wall_hour=round(made / wall * 3600, 1) if wall else None,
-                     finished=done, store=store.status(), pid=os.getpid(), updated=time.time())
+                     finished=done, store=store.status(), pid=os.getpid(), updated=time.time(),
+                     made_all_runs=before["made"] + made,
+                     cpu_s_all_runs=round(before["cpu_s"] + cpu, 1))
         write_json_atomic(work / "status.json", stats)
         return stats
 
