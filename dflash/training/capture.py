@@ -35,6 +35,12 @@ from ..target import TargetParts, forward, make_cache
 FILLER_LOGP = np.float16(-np.inf)
 
 
+def filler_rows(n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` top-k rows that training never reads (prompt rows, the last token's): id 0 at
+    log-probability -inf."""
+    return np.zeros((n, k), np.int32), np.full((n, k), FILLER_LOGP, np.float16)
+
+
 @dataclass
 class Rollout:
     """One finished sequence: ids, why it ended, and (when captured) its features and top-k."""
@@ -129,8 +135,9 @@ class RolloutEngine:
                 seq.feats.append(np.array(feats))
         seq.response.append(int(first.item()))
         if self.capture:  # prompt rows: nothing training reads (see the module docstring)
-            seq.top_ids.append(np.zeros((n, self.topk), np.int32))
-            seq.top_logp.append(np.full((n, self.topk), FILLER_LOGP, np.float16))
+            ids, logp = filler_rows(n, self.topk)
+            seq.top_ids.append(ids)
+            seq.top_logp.append(logp)
         self.stats.prompt_tokens += n
         self.stats.generated_tokens += 1
         return seq, cache
@@ -147,12 +154,9 @@ class RolloutEngine:
         if self.capture:
             width = seq.feats[0].shape[-1]
             out.feats = np.concatenate(seq.feats + [np.zeros((1, width), np.float16)])
-            out.top_ids = np.concatenate(seq.top_ids)
-            out.top_logp = np.concatenate(seq.top_logp)
-            # The last token's row: nothing predicts past the end.
-            out.top_ids = np.concatenate([out.top_ids, np.zeros((1, self.topk), np.int32)])
-            out.top_logp = np.concatenate(
-                [out.top_logp, np.full((1, self.topk), FILLER_LOGP, np.float16)])
+            last_ids, last_logp = filler_rows(1, self.topk)  # nothing predicts past the end
+            out.top_ids = np.concatenate(seq.top_ids + [last_ids])
+            out.top_logp = np.concatenate(seq.top_logp + [last_logp])
         return out
 
     # -- the loop -----------------------------------------------------------------------------

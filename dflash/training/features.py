@@ -35,7 +35,7 @@ from tqdm import tqdm
 from ..target import forward, make_cache, target_parts
 from ..target import load_target as load
 from ..workers import run_per_core, start_per_core
-from .capture import FILLER_LOGP
+from .capture import filler_rows
 from .data import Sample, read_samples
 
 # Rows per pass when computing features (long-context records run several passes through one cache)
@@ -113,10 +113,9 @@ class FeatureStore:
             k = min(self.topk, lg.shape[-1])
             top = np.argpartition(-lg, k - 1, axis=-1)[:, :k]
             logp = np.take_along_axis(lg, top, -1) - np.array(lse)
-            res["top_ids"] = np.concatenate([np.zeros((head_from, k), np.int32),
-                                             top.astype(np.int32)])
-            res["top_logp"] = np.concatenate([np.full((head_from, k), FILLER_LOGP, np.float16),
-                                              logp.astype(np.float16)])
+            filler_ids, filler_logp = filler_rows(head_from, k)
+            res["top_ids"] = np.concatenate([filler_ids, top.astype(np.int32)])
+            res["top_logp"] = np.concatenate([filler_logp, logp.astype(np.float16)])
         else:
             mx.eval(feats)
         res["feats"] = np.array(feats)
