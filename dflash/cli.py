@@ -244,7 +244,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
-    return {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+    from .prompts import thinking_kwargs
+
+    return thinking_kwargs(args.enable_thinking)
 
 
 def encode(pair: Pair, item: dict, args: argparse.Namespace) -> list[int]:

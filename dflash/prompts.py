@@ -111,6 +111,12 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special))
 
 
+def thinking_kwargs(enable_thinking: bool | None) -> dict:
+    """Chat-template keywords for ``--enable-thinking`` / ``--no-enable-thinking`` (unset: the
+    template's own default)."""
+    return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+
+
 def encode_prompt(tokenizer, item: dict, chat_template: bool = True, system: str | None = None,
                   **template_kwargs) -> list[int]:
     """Token ids for a prompt item, through the tokenizer's own chat template when it has one."""
@@ -120,5 +126,4 @@ def encode_prompt(tokenizer, item: dict, chat_template: bool = True, system: str
     if chat_template and getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, **template_kwargs))
-    text = "\n".join(m["content"] for m in messages)
-    return list(tokenizer.encode(text))
+    return encode_text(tokenizer, "\n".join(m["content"] for m in messages))

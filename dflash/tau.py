@@ -52,8 +52,11 @@ def compare_drafters(drafts: list[str], target: str | None = None,
                      prompts: str | Path = "heldout-mix", block_size: int = 16,
                      max_tokens: int = 96, limit: int | None = None, quantize: bool = False,
                      work: str | Path = "compare-drafters",
-                     log: Callable[[str], None] | None = None) -> dict:
-    """τ per domain of each drafter in ``drafts`` (folders, or ``builtin``) on ``target``.
+                     log: Callable[[str], None] | None = None, chat_template: bool = True,
+                     system: str | None = None, template_kwargs: dict | None = None) -> dict:
+    """τ per domain of each drafter in ``drafts`` (folders, or ``builtin``) on ``target``; the
+    prompts are encoded as every other bench mode encodes them (``chat_template``, ``system``,
+    ``template_kwargs``: ``--no-chat-template`` measures prompts that are already templated).
 
     Returns ``{"target", "prompts", "block_size", "max_tokens", "domains": {domain: n},
     "drafters": {name: {"path", "all", <domain>: τ, "outputs"}}, "identical": bool}``; ``all``
@@ -73,7 +76,9 @@ def compare_drafters(drafts: list[str], target: str | None = None,
     source, items = load_prompts(prompts, limit)
     domains: dict[str, list[list[int]]] = {}
     for item in items:
-        domains.setdefault(prompt_domain(item["id"]), []).append(encode_prompt(tokenizer, item))
+        domains.setdefault(prompt_domain(item["id"]), []).append(encode_prompt(
+            tokenizer, item, chat_template=chat_template, system=system,
+            **(template_kwargs or {})))
     # named as reports show them ($DFLASH_HOME/..., not this machine's paths)
     named = [(name if name == BUILTIN else shown_path(name), resolve_draft(name))
              for name in drafts]
@@ -124,10 +129,14 @@ def format_tau(result: dict) -> str:
 def run_from_args(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     """``dflash bench --tau``: measure, print the table, write ``OUT/tau.json``; exit 1 when
     greedy outputs differ across drafters (an exactness failure)."""
+    from .prompts import thinking_kwargs
+
     result = compare_drafters(
         (args.draft or BUILTIN).split(","), target=args.model, prompts=args.prompts,
         block_size=int(args.block_size or 16), max_tokens=args.max_tokens, limit=args.limit,
-        quantize=args.quantize, work=Path(args.out or ".") / "drafters", log=log)
+        quantize=args.quantize, work=Path(args.out or ".") / "drafters", log=log,
+        chat_template=not args.no_chat_template, system=args.system,
+        template_kwargs=thinking_kwargs(args.enable_thinking))
     print(format_tau(result), flush=True)
     if args.out is not None:
         out = Path(args.out)

@@ -51,3 +51,29 @@ def test_two_drafters_and_a_conversion_per_domain(tiny_pair, tmp_path):
         assert min(r["sea"], r["code"]) - 1e-9 <= r["all"] <= max(r["sea"], r["code"]) + 1e-9
     assert Path(result[f"{draft} 6-bit"]["path"]).parent == out / "drafters"
     assert "τ against its unquantized original" in p.stdout
+
+
+@pytest.mark.slow
+def test_no_chat_template_measures_prompts_that_are_already_templated(tiny_pair, tmp_path):
+    """`--tau --no-chat-template` on templated text decodes what the plain prompt decodes (the
+    prompts a drafter trained on are kept templated); without the flag the text is templated a
+    second time and the target sees another prompt."""
+    from dflash.model_mlx import load
+    from dflash.tau import compare_drafters
+
+    target, draft = tiny_pair("llama")
+    _, tokenizer = load(str(target))
+    items = [("sea-0", "The sea is"), ("code/0", "def add(a, b):")]
+    plain, templated = tmp_path / "plain.jsonl", tmp_path / "templated.jsonl"
+    plain.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in items))
+    templated.write_text("".join(json.dumps({"id": i, "prompt": tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)}) + "\n"
+        for i, p in items))
+
+    def outputs(prompts, **kwargs):
+        result = compare_drafters([str(draft)], target=str(target), prompts=prompts,
+                                  block_size=4, max_tokens=12, work=tmp_path / "w", **kwargs)
+        return result["drafters"][str(draft)]["outputs"]
+
+    assert outputs(templated, chat_template=False) == outputs(plain)
+    assert outputs(templated) != outputs(plain)
