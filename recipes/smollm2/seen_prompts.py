@@ -1,7 +1,7 @@
 """Prompts the built-in drafter trained on, for τ on its own training records.
 
 Held-out τ says how well the drafter generalises; τ on records it trained on (final-v4 saw each
-of the 2,600 kept records ~10 times) says how well it can fit at all. Where the two are close
+of the 2,600 kept records ~8 times) says how well it can fit at all. Where the two are close
 more records cannot help much, and where even the fitted τ is below a target no amount of
 records at this drafter size reaches it. Measured for final-v4 in docs/drafter-data.md.
 
@@ -17,25 +17,22 @@ with ``--no-chat-template``); greedy decoding writes the record's own response a
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def seen_prompts(n: int, seed: int, domains: tuple[str, ...] = ("math", "chat", "code")) -> list[dict]:
     from transformers import AutoTokenizer
 
     from dflash.default_pair import default_target_path
+    from dflash.training.records import legacy_records
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_target_path()))
+    kept = legacy_records()
     out = []
     for domain in domains:
-        path = REPO / "datasets" / "smollm2" / f"{domain}.jsonl.gz"
-        with gzip.open(path, "rt") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = [r for r in kept if r["domain"] == domain]
         random.Random(seed).shuffle(records)
         out += [{"id": f"seen{domain}-{i}", "record": r["id"],
                  "prompt": tokenizer.decode(r["prompt_ids"])}
