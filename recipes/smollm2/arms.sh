@@ -24,7 +24,8 @@
 # Usage: bash recipes/smollm2/arms.sh continue|fresh     (rerun to resume)
 #   env: LR (peak, 6e-4), CPU_BUDGET (7200 CPU-s: what the learning rate anneals over),
 #        FEATURES (stream|cached), STREAM_WORKERS (1), EVAL_EVERY (250),
-#        RUN (the run's folder name, arm-ARM)
+#        RUN (the run's folder name, arm-ARM), START (continue: the drafter folder to start
+#        from instead of final-v4, e.g. an earlier run's folder)
 # Needs: bash recipes/smollm2/build.sh records (the old records under $DFLASH_HOME/data/smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,8 +49,8 @@ for d in gen-math gen-chat gen-code; do
 done
 case $ARM in
   continue)
-    START=$DFLASH_HOME/drafts/final-v4-5250
-    if [ ! -f "$START/config.json" ]; then
+    START=${START:-$DFLASH_HOME/drafts/final-v4-5250}
+    if [ ! -f "$START/config.json" ] && [ "$START" = "$DFLASH_HOME/drafts/final-v4-5250" ]; then
       if [ -d "$DFLASH_HOME/runs/final-v4/train" ]; then
         $PY recipes/smollm2/carry_checkpoint.py "$DFLASH_HOME/runs/final-v4" --export "$START"
       else
@@ -57,6 +58,7 @@ case $ARM in
             --from-commit --export "$START"
       fi
     fi
+    [ -f "$START/config.json" ] || { echo "arms.sh: START=$START has no config.json" >&2; exit 2; }
     INIT=(--init-from "$START") ;;
   fresh) INIT=(--taps 1,8,14,20,27) ;;
   *) echo "arms.sh: expected continue or fresh, got '$ARM'" >&2; exit 2 ;;
