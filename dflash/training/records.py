@@ -12,8 +12,10 @@ runs in the background for days, across machines, beside other work:
   :class:`~dflash.training.capture.RolloutEngine` as ``dflash datagen`` does) into
   :class:`~dflash.training.shards.ShardStore`. Killed at any moment it resumes without losing or
   repeating a record; restarted with more sources it simply has more to do;
-* between records it sleeps while ``$DFLASH_HOME/PAUSE`` exists (speed is measured on a quiet
-  machine) and stops cleanly when ``$DFLASH_HOME/STOP`` appears; its pid is in
+* between chunks of prompts (``--chunk``, 512 by default: up to ~40 minutes of one core) it
+  sleeps while ``$DFLASH_HOME/PAUSE`` exists (speed is measured on a quiet machine) and stops
+  cleanly once ``$DFLASH_HOME/STOP`` exists; SIGTERM stops it at once, each record it made already
+  in an open shard (``seal`` then closes them); its pid is in
   ``$DFLASH_HOME/datagen.pid`` and its progress in ``<work>/status.json`` (this run's and, as
   ``made_all_runs`` / ``cpu_s_all_runs``, every run's: the CPU-hours a data budget counts);
 * ``dflash records publish`` copies sealed shards into the repository (commit each once);
