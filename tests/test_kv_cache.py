@@ -2,9 +2,9 @@
 
 The promise with ``kv_bits``: greedy output identical to mlx-lm's own decoding with the same KV
 settings (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, ``prefill_step_size``), not to
-the float cache (up to how the calls were grouped into rows, which a 4-bit cache can turn
-into another token: the built-in pair's test). Rotating caches: identical to mlx-lm's greedy decoding well past the window, the
-verify passes rolled back after the cache has wrapped.
+the float cache (up to how the calls were grouped into rows, which a quantized cache can turn
+into another token: the built-in pair's test). Rotating caches: identical to mlx-lm's greedy
+decoding well past the window, the verify passes rolled back after the cache has wrapped.
 """
 
 from __future__ import annotations
@@ -348,20 +348,28 @@ def mlx_lm_logprobs(model, prompt: list[int], tokens: list[int], kv: KVQuantizat
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def unexplained_tokens(model, prompt: list[int], tokens: list[int], kv: KVQuantization,
+GROUPINGS = (1, 2, 4, 8, 16)  # rows per call: 1 is mlx-lm's decoding
+
+
+def grouped_logprobs(model, prompt: list[int], tokens: list[int],
+                     kv: KVQuantization) -> list[mx.array]:
+    """:func:`mlx_lm_logprobs` under each of :data:`GROUPINGS`, the one-row calls first."""
+    return [mlx_lm_logprobs(model, prompt, tokens, kv, rows) for rows in GROUPINGS]
+
+
+def unexplained_tokens(grouped: list[mx.array], tokens: list[int],
                        stop: set[int] | None) -> list[tuple[int, float, float]]:
     """Positions whose token mlx-lm would not choose on its prefix, up to how the prefix's rows
-    were grouped into calls, as ``(position, deficit, spread)``.
+    were grouped into calls, as ``(position, deficit, spread)``; ``grouped``:
+    :func:`grouped_logprobs` of ``tokens``.
 
-    mlx-lm's model is fed the prefix one row per call (its decoding) and in calls of 2, 4, 8 and
-    16 rows. ``deficit``: how far the token's log-probability is below the best one's, in the
-    grouping where it is closest (0: some grouping chooses it). ``spread``: how far the groupings'
+    ``deficit``: how far the token's log-probability is below the best one's, in the grouping
+    where it is closest (0: some grouping chooses it). ``spread``: how far the groupings'
     log-probabilities of the candidates (the token, each grouping's choice) lie from the one-row
     calls'. A verify pass groups its rows its own way, which moves its log-probabilities by about
     that much from each grouping's, so a token it chooses is within twice the spread of the best;
     a wrong token is further. ``stop``: the end-of-sequence tokens, one of which must come next
     (an early stop), or None (the output reached its length)."""
-    grouped = [mlx_lm_logprobs(model, prompt, tokens, kv, rows) for rows in (1, 2, 4, 8, 16)]
     out = []
     for i in range(len(tokens) + (stop is not None)):
         rows = [g[i] for g in grouped]
@@ -399,18 +407,19 @@ def test_builtin_pair_quantized_kv_equals_mlx_lm(bits, after_prompt):
         ref = ref[: next(i for i, t in enumerate(ref) if t in eos)]
     out = generate(model, draft, tokenizer, prompt, max_tokens=64, **kv).tokens
     quant = KVQuantization(bits, 64, start)
-    stop = None if len(out) == 64 else eos
-    assert unexplained_tokens(model, prompt, out, quant, stop) == []
+    grouped = grouped_logprobs(model, prompt, out, quant)
+    assert unexplained_tokens(grouped, out, None if len(out) == 64 else eos) == []
     # The check has power: the token mlx-lm finds least likely, planted at position 20, is caught.
-    least = int(mlx_lm_logprobs(model, prompt, out[:20], quant, 1)[20].argmin())
-    assert [u[0] for u in unexplained_tokens(model, prompt, out[:20] + [least], quant, None)] == [20]
+    planted = out[:20] + [int(grouped[0][20].argmin())]
+    assert [u[0] for u in unexplained_tokens(grouped_logprobs(model, prompt, planted, quant),
+                                             planted, None)] == [20]
     first = None if out == ref else next(
         i for i, (a, b) in enumerate(zip(out + [-1], ref + [-2])) if a != b)
     print(f"kv_bits={bits}: " + ("identical to mlx-lm's decoding" if first is None else
           f"differs from mlx-lm's decoding from token {first} on, each token mlx-lm's own "
           "choice on its prefix up to the grouping of its rows"))
     if first is not None:  # the one-row log-probabilities are mlx-lm's decoding up to there
-        steps = mlx_lm_logprobs(model, prompt, out, quant, 1).argmax(axis=-1).tolist()
+        steps = grouped[0].argmax(axis=-1).tolist()
         assert steps[:first] == ref[:first]
         assert steps[first] == ref[first] if first < len(ref) else steps[first] in eos
 
