@@ -25,7 +25,12 @@
 #   env: LR (peak, 6e-4), CPU_BUDGET (7200 CPU-s: what the learning rate anneals over),
 #        FEATURES (stream|cached), STREAM_WORKERS (1), EVAL_EVERY (250),
 #        RUN (the run's folder name, arm-ARM), START (continue: the drafter folder to start
-#        from instead of final-v4, e.g. an earlier run's folder)
+#        from instead of final-v4, e.g. an earlier run's folder), LAYERS (fresh: the drafter's
+#        depth, 2), SEED_LAYERS (fresh: which target layers seed it, `--init`: spread, first, last,
+#        aligned or ids; none), LOSS (mix, kl or ce; mix)
+#
+# The depth probe (3, 4, 5 layers seeded from the target's layers, forward KL, 2 CPU-h each):
+#   LAYERS=4 SEED_LAYERS=spread LOSS=kl RUN=probe-l4 bash recipes/smollm2/arms.sh fresh
 # Needs: bash recipes/smollm2/build.sh records (the old records under $DFLASH_HOME/data/smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,7 +40,8 @@ ARM=${1:-}
 D=$DFLASH_HOME/data/smollm2
 OUT=$DFLASH_HOME/runs/${RUN:-arm-$ARM}
 DATA=datasets/smollm2/shards,$D/gen-math,$D/gen-chat,$D/gen-code
-ARGS=(--layers 2 --block-size 16 --batch-seqs 4 --anchors 48 --lr "${LR:-6e-4}" --loss mix
+ARGS=(--layers "${LAYERS:-2}" --block-size 16 --batch-seqs 4 --anchors 48 --lr "${LR:-6e-4}"
+      --loss "${LOSS:-mix}"
       --soft-weight 0.5 --soft-topk 16 --steps 50000 --cpu-budget "${CPU_BUDGET:-7200}"
       --lr-schedule cpu --checkpoint-every 50 --eval-every "${EVAL_EVERY:-250}" --eval-n 4
       --eval-block-sizes 16 --eval-prompts heldout-domains --seed 0)
@@ -60,7 +66,8 @@ case $ARM in
     fi
     [ -f "$START/config.json" ] || { echo "arms.sh: START=$START has no config.json" >&2; exit 2; }
     INIT=(--init-from "$START") ;;
-  fresh) INIT=(--taps 1,8,14,20,27) ;;
+  fresh) INIT=(--taps 1,8,14,20,27)
+         [ "${SEED_LAYERS:-none}" = none ] || INIT+=(--init "$SEED_LAYERS") ;;
   *) echo "arms.sh: expected continue or fresh, got '$ARM'" >&2; exit 2 ;;
 esac
 resume=()
