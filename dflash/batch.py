@@ -91,7 +91,7 @@ from .policy import (
 )
 from .policy.agreed import agreed_batch
 from .policy.memory import PairMemory
-from .prompt_cache import PromptCache
+from .prompt_cache import CacheEntry, PromptCache
 from .ragged_cache import RaggedArraysCache, RaggedKVCache, append_rows
 from .sampling import _is_int, check_decode_settings
 from .speculative import (
@@ -183,6 +183,7 @@ class _Sequence:
     conf: np.ndarray | None = None  # the drafter's top probabilities in its last drafted block
     stream: Generator[DFlashResponse, None, None] | None = None  # one-at-a-time fallback
     prompt_cache: PromptCache | None = None  # where its prefill starts from and is kept
+    entry: CacheEntry | None = None  # the caches it took from there
 
     @property
     def remaining(self) -> int:
@@ -372,8 +373,8 @@ class BatchGenerator:
         if seq.prompt_cache is None:
             seq.cache, seq.dcache = make_cache(self.parts), self.draft.make_cache()
             return
-        seq.cache, seq.dcache, seq.prefilled = seq.prompt_cache.take(
-            self.parts, self.draft, seq.request.prompt_ids)
+        seq.entry = seq.prompt_cache.take(self.parts, self.draft, seq.request.prompt_ids)
+        seq.cache, seq.dcache, seq.prefilled = seq.entry.target, seq.entry.draft, seq.entry.reused
         seq.stats.reused_prompt_tokens = seq.prefilled
 
     def _event(self, seq: _Sequence, response: DFlashResponse, events: list[BatchEvent]) -> None:
@@ -418,9 +419,13 @@ class BatchGenerator:
         seq = self.prefilling
         ids, begin = seq.request.prompt_ids, seq.prefilled
         chunk = ids[begin:begin + budget]
+        if seq.entry is not None and begin < seq.entry.shared < begin + len(chunk):
+            chunk = ids[begin:seq.entry.shared]  # a prefix other conversations share: snapshot
         last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache)
         mx.clear_cache()  # after each prompt chunk, as mlx-lm's prefill
         seq.prefilled = begin + len(chunk)
+        if seq.entry is not None:  # a point a prompt sharing only a prefix can go back to
+            seq.entry.snapshot(seq.prefilled)
         if seq.request.progress:
             seq.request.progress(seq.prefilled, len(ids))
         if seq.prefilled < len(ids):
@@ -433,8 +438,7 @@ class BatchGenerator:
         """A prompt is prefilled: its first token, then its caches join the batch as a row."""
         ids = seq.request.prompt_ids
         if seq.prompt_cache is not None:  # the next prompt may share a prefix with this one
-            seq.prompt_cache.store(self.parts, self.draft, seq.cache, seq.dcache, ids)
-            seq.prompt_cache.snapshot(len(ids))
+            seq.prompt_cache.store(self.parts, self.draft, seq.entry, seq.cache, seq.dcache, ids)
         if seq.request.max_tokens == 0:
             self._event(seq, snapshot(seq.stats, "", [], "length"), events)
             return
@@ -489,6 +493,7 @@ class BatchGenerator:
         response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic)
         self._event(seq, response, events)
         if response.finish_reason is not None:
+            self._keep_reply(seq, state.cache, state.dcache)
             state.cache = state.dcache = None
             self.rows = []
 
@@ -634,7 +639,22 @@ class BatchGenerator:
             response = emit(s.request, s.state, s.stats, s.detok, step.tokens, s.tic)
             self._event(s, response, events)
             done.append(response.finish_reason is not None)
+            if done[-1]:
+                i = len(done) - 1
+                self._keep_reply(s, [c.row(i) for c in self.cache],
+                                 [c.row(i) for c in self.dcache])
         self._keep([i for i, d in enumerate(done) if not d])
+
+    def _keep_reply(self, seq: _Sequence, cache: list, dcache: list) -> None:
+        """A finished sequence's caches (prompt and reply) go to its prompt cache, where the
+        next turn of its conversation finds them; ``cache`` and ``dcache`` are its own."""
+        if seq.prompt_cache is None or seq.entry is None:
+            return
+        seq.state.dcache = dcache
+        seq.state.sync_drafter(self.draft)  # the last cycle's features
+        mx.eval([c.state for c in cache + dcache])
+        reply = CacheEntry(cache, dcache, snapshots=dict(seq.entry.snapshots))
+        seq.prompt_cache.store(self.parts, self.draft, reply, cache, dcache, seq.state.fed)
 
     # -- targets that cannot be batched -------------------------------------------------------
 
@@ -642,7 +662,8 @@ class BatchGenerator:
         """The single-sequence engine for each sequence in turn, one cycle each per step."""
         while self.queue and len(self.rows) < self.max_batch:
             seq = self.queue.popleft()
-            seq.stream = run_request(self.parts, self.draft, self.tokenizer, seq.request)
+            seq.stream = run_request(self.parts, self.draft, self.tokenizer, seq.request,
+                                     seq.prompt_cache)
             self.rows.append(seq)
         done = []
         for seq in self.rows:

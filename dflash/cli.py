@@ -192,7 +192,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--index-budget", type=int, default=None, metavar="TOKENS",
                    help="tokens each continuation index holds, the oldest dropped first "
                         "(default 262144)")
+    add_prompt_cache_args(g)
     add_pair_memory_arg(g)
+
+
+def add_prompt_cache_args(g) -> None:
+    g.add_argument("--prompt-cache-size", type=int, default=10, metavar="N",
+                   help="conversations (prompt and reply) the prefix cache keeps, the least "
+                        "recently used dropped first, as mlx_lm.server's (default 10; with API "
+                        "keys, per key)")
+    g.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="bytes the prefix cache's conversations may hold, e.g. 8GB or 500MB "
+                        "(default: no bound but --prompt-cache-size)")
+
+
+def byte_size(text: str) -> int:
+    """``8GB``, ``500MB``, ``1.5G`` or a plain count of bytes (argparse names the flag)."""
+    import re
+
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]?)B?\s*", text, re.IGNORECASE)
+    size = 0 if found is None else \
+        float(found[1]) * 1000 ** " KMGT".index(found[2].upper() or " ")
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 8GB, 500MB or 1000000")
+    return int(size)
 
 
 def add_policy_args(g) -> None:
@@ -505,6 +528,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.index_budget is not None and args.index_budget < 1:
         raise CLIError(f"--index-budget {args.index_budget}: must be a positive number of "
                        "tokens", code=2)
+    if args.prompt_cache_size < 1:
+        raise CLIError(f"--prompt-cache-size {args.prompt_cache_size}: must be >= 1", code=2)
     if args.rank_timeout <= 0:
         raise CLIError(f"--rank-timeout {args.rank_timeout}: must be > 0 seconds", code=2)
     if not args.keepalive > 0:
@@ -522,6 +547,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if distributed.launched() and distributed.join().rank != 0:  # a sharded target's follower
         follow_server(args.model, args.draft, share=args.share,
                       index_budget=args.index_budget or DEFAULT_BUDGET,
+                      prompt_cache_size=args.prompt_cache_size,
+                      prompt_cache_bytes=args.prompt_cache_bytes,
                       draft_window=args.draft_window, **kv_kwargs(args))
         return 0
     try:  # settings every request would be refused with: refused here, before the port is bound
@@ -532,6 +559,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                max_concurrency=args.max_concurrency, reasoning=args.reasoning,
                                pair_memory=args.pair_memory, api_keys=keys, share=args.share,
                                **kv_kwargs(args), index_budget=args.index_budget or DEFAULT_BUDGET,
+                               prompt_cache_size=args.prompt_cache_size,
+                               prompt_cache_bytes=args.prompt_cache_bytes,
                                draft_window=args.draft_window, rank_timeout=args.rank_timeout,
                                keepalive=args.keepalive)
     except DFlashError as e:

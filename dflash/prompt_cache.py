@@ -1,56 +1,79 @@
-"""Reuse of target and drafter caches across calls (multi-turn chat, shared system prompts).
+"""Reuse of target and drafter caches across calls: multi-turn chat, agents and their sub-agents.
 
-Attention caches trim to any common prefix. GatedDeltaNet states cannot be trimmed, so we keep
-snapshots of them at the ends of recent prompts (MLX arrays are immutable: a snapshot is a list of
-references, no copy) and restore the longest one inside the common prefix.
+Why: a coding agent resends the whole conversation every turn. Keeping only the last prompt made
+every turn prefill the previous reply again (first token ~5x later than ``mlx_lm.server``, which
+keeps prompt and reply for ten conversations). So a :class:`PromptCache` keeps several
+conversations, each as a :class:`CacheEntry` holding the target's caches, the drafter's context
+and the token ids they hold (prompt *and* reply); a new prompt starts from the entry sharing its
+longest token prefix and prefills only what follows.
+
+The bookkeeping (least-recently-used eviction by entries and bytes, a trie of the entries'
+tokens) is mlx-lm's own ``LRUPromptCache``: a :class:`CacheEntry` answers its cache protocol
+(``nbytes``, ``is_trimmable``, ``trim``) as one cache. What mlx-lm cannot do lives here: the
+drafter's caches ride along, and GatedDeltaNet states (Qwen3.5), which cannot be trimmed, are
+restored from snapshots taken at prefill chunk ends and where a prompt stops sharing another
+conversation's tokens (a sub-agent's system prompt: the next sub-agent starts there). MLX arrays
+are immutable: a snapshot is a list of references, and a taken entry is a copy, so a generation
+that fails leaves the cached conversations as they were.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, LRUPromptCache, RotatingKVCache
 
+from .errors import GenerationConfigError
 from .target import TargetParts, make_cache
 
-MAX_SNAPSHOTS = 4
+MAX_SNAPSHOTS = 8  # recurrent states kept per entry (Qwen3.5-4B's: ~25 MB each in bf16)
+DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size
 
 
 @dataclass
-class PromptCache:
-    """Pass one to ``stream_generate(..., prompt_cache=...)`` per conversation; never share it
-    between threads."""
+class CacheEntry:
+    """One conversation's caches: the target's, the drafter's, and the ``tokens`` fed to both.
 
+    ``reused``: how many prompt tokens a request taking it found already cached; ``shared``:
+    how many it shares with some cached conversation (more than ``reused`` where that one's
+    recurrent states cannot go back so far: the prefill snapshots there, for the next)."""
+
+    target: list
+    draft: list
     tokens: list[int] = field(default_factory=list)
-    target: list | None = None
-    draft: list | None = None
-    owner: tuple[int, int] | None = None
     snapshots: dict[int, list] = field(default_factory=dict)
-    reused_tokens: int = 0  # of the last call, for statistics
+    reused: int = 0
+    shared: int = 0
 
-    def clear(self) -> None:
-        self.tokens, self.target, self.draft, self.owner = [], None, None, None
-        self.snapshots = {}
+    # -- mlx-lm's cache protocol (LRUPromptCache stores the entry as a one-cache list) --------
 
-    def take(self, parts: TargetParts, draft, prompt: list[int]) -> tuple[list, list, int]:
-        """Caches for ``prompt`` and how many of its tokens they already hold."""
-        owner = (id(parts.model), id(draft))
-        if self.target is None or self.owner != owner:
-            return self._fresh(parts, draft, owner)
-        common = 0
-        limit = min(len(self.tokens), len(prompt) - 1)  # the last prompt token is always fed
-        while common < limit and self.tokens[common] == prompt[common]:
-            common += 1
-        keep = common
-        if any(isinstance(c, RotatingKVCache) and c.offset > keep and not c.is_trimmable()
-               for c in self.target):
-            # A wrapped sliding-window cache no longer holds the rows before its window.
-            return self._fresh(parts, draft, owner)
-        recurrent = [i for i, c in enumerate(self.target) if isinstance(c, ArraysCache)]
-        if recurrent and keep < len(self.tokens):
-            keep = max((n for n in self.snapshots if n <= common), default=0)
+    @property
+    def nbytes(self) -> int:
+        held = sum(_nbytes(c) for c in self.target + list(self.draft))
+        return held + sum(a.nbytes for states in self.snapshots.values()
+                          for state in states for a in state if a is not None)
+
+    def is_trimmable(self) -> bool:
+        """Can it go back to a shorter prefix? Not a wrapped sliding window (its early rows are
+        gone), nor a recurrent state without a snapshot to restore."""
+        if any(isinstance(c, RotatingKVCache) and not c.is_trimmable() for c in self.target):
+            return False
+        return not self._recurrent() or bool(self.snapshots)
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens, or more where a recurrent state has no snapshot there
+        (back to the latest one before; none: everything). The tokens forgotten."""
+        before = len(self.tokens)
+        keep = max(0, before - n)
+        recurrent = self._recurrent()
+        if recurrent and keep < before:
+            keep = max((k for k in self.snapshots if k <= keep), default=0)
             if keep == 0:
-                return self._fresh(parts, draft, owner)
+                self.target, self.draft = [], []
+                self.tokens, self.snapshots = [], {}
+                return before
             for i, state in zip(recurrent, self.snapshots[keep]):
                 self.target[i].cache = list(state)
         for c in self.target:
@@ -58,27 +81,127 @@ class PromptCache:
                 c.trim(c.offset - keep)
         for c in self.draft:
             c.trim(c.offset - keep)
-        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= keep}
-        self.reused_tokens = keep
-        return self.target, self.draft, keep
+        self.tokens = self.tokens[:keep]
+        self.snapshots = {k: s for k, s in self.snapshots.items() if k <= keep}
+        return before - keep
 
-    def _fresh(self, parts: TargetParts, draft, owner) -> tuple[list, list, int]:
-        self.clear()
-        self.target, self.draft, self.owner = make_cache(parts), draft.make_cache(), owner
-        self.reused_tokens = 0
-        return self.target, self.draft, 0
+    # -- what the engines call -------------------------------------------------------------
+
+    def usable(self, n: int) -> int:
+        """The longest prefix of at most ``n`` of its tokens it can go back to."""
+        if n >= len(self.tokens):
+            return len(self.tokens)
+        if not self.is_trimmable():
+            return 0
+        if self._recurrent():
+            return max((k for k in self.snapshots if k <= n), default=0)
+        return n
 
     def snapshot(self, n_tokens: int) -> None:
-        """Remember recurrent states after ``n_tokens`` fed tokens (cheap: references)."""
-        states = [list(c.cache) for c in self.target if isinstance(c, ArraysCache)]
-        if states:
-            self.snapshots[n_tokens] = states
-            for n in sorted(self.snapshots)[:-MAX_SNAPSHOTS]:
-                del self.snapshots[n]
+        """Remember the recurrent states after ``n_tokens`` fed tokens (cheap: references).
 
-    def store(self, parts: TargetParts, draft, target: list, dcache: list,
+        Taken at every prefill chunk's end, so that a prompt sharing only a prefix (a
+        sub-agent's system prompt and tools) goes back to the latest one inside it. Past
+        :data:`MAX_SNAPSHOTS` the one whose neighbours lie closest together goes: the points
+        kept stay spread over the prompt, the newest always kept."""
+        states = [list(self.target[i].cache) for i in self._recurrent()]
+        if not states:
+            return
+        self.snapshots[n_tokens] = states
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            points = [0, *sorted(self.snapshots)]
+            gaps = {points[i]: points[i + 1] - points[i - 1] for i in range(1, len(points) - 1)}
+            del self.snapshots[min(gaps, key=gaps.get)]
+
+    def _recurrent(self) -> list[int]:
+        return [i for i, c in enumerate(self.target) if isinstance(c, ArraysCache)]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (numpy: prompts run to 100k tokens)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def _nbytes(cache) -> int:
+    if isinstance(cache, ArraysCache):
+        return sum(a.nbytes for a in cache.cache if a is not None)
+    return cache.nbytes
+
+
+class PromptCache:
+    """The caches of recent conversations, for ``stream_generate(..., prompt_cache=...)`` and
+    the batched engine; at most ``max_entries`` entries and ``max_bytes`` bytes (``None``: no
+    byte bound), least recently used evicted first. Used by one thread at a time (the server's
+    worker owns its scopes' caches)."""
+
+    def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_bytes: int | None = None):
+        for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._lru = LRUPromptCache(max_entries, (1 << 63) if max_bytes is None else max_bytes)
+        self.reused_tokens = 0  # of the last take, for statistics
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    def clear(self) -> None:
+        self._lru.trim_to(n_sequences=0)
+
+    def take(self, parts: TargetParts, draft, prompt: list[int]) -> CacheEntry:
+        """Caches for ``prompt``: a private copy of the entry that can serve the longest prefix
+        of it, trimmed to that prefix (the last prompt token is always fed), or fresh ones.
+        ``entry.reused`` says how many of the prompt's tokens it already holds.
+
+        Every entry is weighed, not only the one sharing the longest prefix: a hybrid
+        target's entry goes back only to its snapshots, so a shorter match with a snapshot
+        at its end may serve more."""
+        prompt = list(prompt)
+        best, reused, shared = None, 0, 0
+        for held in self.entries(_owner(parts, draft)):
+            common = _common_prefix(held.tokens, prompt)
+            shared = max(shared, common)
+            usable = held.usable(min(common, len(prompt) - 1))
+            if usable > reused:
+                best, reused = held, usable
+        if best is None:
+            entry = CacheEntry(make_cache(parts), draft.make_cache())
+        else:
+            entry = copy.deepcopy(best)
+            entry.trim(len(entry.tokens) - reused)
+        entry.reused = self.reused_tokens = len(entry.tokens)
+        entry.shared = max(entry.reused, min(shared, len(prompt) - 1))
+        return entry
+
+    def store(self, parts: TargetParts, draft, entry: CacheEntry, target: list, dcache: list,
               tokens: list[int]) -> None:
-        """Keep the caches after a generation; ``tokens`` are exactly those fed to the target and
-        ``dcache`` has seen the features of all of them."""
-        self.owner = (id(parts.model), id(draft))
-        self.target, self.draft, self.tokens = target, dcache, list(tokens)
+        """Keep caches after a prefill or a generation: ``tokens`` are exactly those fed to
+        ``target``, and ``dcache`` has seen the features of all of them. The entry is the
+        cache's from now on: the caller must not write into these caches again."""
+        entry.target, entry.draft, entry.tokens = target, dcache, list(tokens)
+        entry.snapshots = {k: s for k, s in entry.snapshots.items() if k <= len(tokens)}
+        if tokens:
+            self._lru.insert_cache(_owner(parts, draft), list(tokens), [entry])
+
+    def entries(self, owner: tuple[int, int] | None = None) -> list[CacheEntry]:
+        """The entries held (``owner``: one pair's), least recently used first."""
+        out = []
+        for lru in self._lru._lru._lrus.values():
+            for model, tokens in lru:
+                if owner is None or model == owner:
+                    out.append(self._lru._trie.get(model, tokens).prompt_cache[0])
+        return out
+
+
+def _owner(parts: TargetParts, draft) -> tuple[int, int]:
+    """Which pair an entry belongs to: another pair never picks it up."""
+    return (id(parts.model), id(draft))

@@ -25,7 +25,8 @@ the batch's drafter memory stays flat as contexts grow, as one sequence's
 A sequence moves between a batch and its own ordinary caches (``KVCache``, ``ArraysCache``):
 :meth:`RaggedKVCache.add_cache` makes one a new row, :meth:`RaggedKVCache.only_row` hands a
 batch's single row back as one (no copy), so a sequence decoding alone runs the single-sequence
-engine (draft trees, pipelined plain steps) on an ordinary cache.
+engine (draft trees, pipelined plain steps) on an ordinary cache, and ``row`` copies a
+finished row out for the prompt cache (the next turn of its conversation starts from it).
 """
 
 from __future__ import annotations
@@ -155,6 +156,15 @@ class RaggedKVCache:
         cache.keys, cache.values, cache.offset = self.keys, self.values, self.lengths[0]
         self.keys = self.values = None
         self.set_lengths([])
+        return cache
+
+    def row(self, i: int) -> KVCache:
+        """A copy of row ``i`` as an ordinary ``KVCache`` (the batch keeps it): a finished
+        sequence's caches, for the prompt cache."""
+        cache = KVCache()
+        n = self.lengths[i]
+        cache.keys, cache.values = self.keys[i:i + 1, :, :n], self.values[i:i + 1, :, :n]
+        cache.offset = n
         return cache
 
     def keep(self, rows: list[int]) -> None:
@@ -299,6 +309,14 @@ class RaggedWindowCache(RaggedKVCache):
         self._set_base([])
         return cache
 
+    def row(self, i: int) -> WindowCache:
+        """A copy of row ``i`` as one sequence's ``WindowCache`` (the batch keeps it)."""
+        cache = WindowCache(self.size)
+        held = self.held[i]
+        cache._keys, cache._values = self.keys[i:i + 1, :, :held], self.values[i:i + 1, :, :held]
+        cache.used, cache.offset = held, self.lengths[i]
+        return cache
+
     def keep(self, rows: list[int]) -> None:
         base = [self.base[i] for i in rows]
         held = [self.lengths[i] - b for i, b in zip(rows, base)]
@@ -376,6 +394,12 @@ class RaggedArraysCache:
         cache = ArraysCache(2)
         cache[0], cache[1] = self.cache
         self.cache = [None, None]
+        return cache
+
+    def row(self, i: int) -> ArraysCache:
+        """A copy of row ``i`` as an ordinary ``ArraysCache`` (the batch keeps it)."""
+        cache = ArraysCache(2)
+        cache[0], cache[1] = self.cache[0][i:i + 1], self.cache[1][i:i + 1]
         return cache
 
     def keep(self, rows: list[int]) -> None:

@@ -37,7 +37,7 @@ from .policy import (
 )
 from .policy.agreed import agreed
 from .policy.memory import PairMemory, memory_of
-from .prompt_cache import PromptCache
+from .prompt_cache import CacheEntry, PromptCache
 from .prompts import encode_text
 from .sampling import BlockSampler, SamplingConfig, check_decode_settings
 from .target import (
@@ -394,18 +394,17 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
         prompt_cache.clear()
         prompt_cache = None
     if prompt_cache is None:
+        entry = None
         cache, dcache, reused = request.target_cache(parts), draft.make_cache(), 0
     else:
-        cache, dcache, reused = prompt_cache.take(parts, draft, request.prompt_ids)
+        entry = prompt_cache.take(parts, draft, request.prompt_ids)
+        cache, dcache, reused = entry.target, entry.draft, entry.reused
     cost = cost_model(parts, draft, request.priced_kv) if policy_class(request.policy).needs_cost \
         else None
     state = new_state(parts, draft, request, cache, dcache, cost)
     try:
-        yield from _decode(parts, draft, tokenizer, request, state, reused, prompt_cache)
-    except BaseException:
-        if prompt_cache is not None:
-            prompt_cache.clear()  # caches may be mid-update
-        raise
+        yield from _decode(parts, draft, tokenizer, request, state, reused,
+                           None if entry is None else (prompt_cache, entry))
     finally:
         state.policy.finish()
         if request.index is not None:  # what this request saw and wrote, for the next ones
@@ -459,17 +458,23 @@ def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) ->
     return last
 
 
-def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: int) -> mx.array:
+def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: int,
+             entry: CacheEntry | None = None) -> mx.array:
     """Feed the prompt from ``start`` in chunks (the drafter sees every row); the last logits.
     A quantized cache takes mlx-lm's chunks (the last prompt token alone): where its calls end
-    decides which rows see float keys."""
+    decides which rows see float keys. ``entry``: snapshots its recurrent states at each
+    chunk's end (:meth:`CacheEntry.snapshot`)."""
     n, step = len(request.prompt_ids), request.prefill_step_size
     ends = prefill_calls(n, step) if request.kv is not None else range(start + step, n + step, step)
+    if entry is not None and start < entry.shared < n:  # a prefix other conversations share
+        ends = sorted({*ends, entry.shared})
     begin = start
     for end in ends:
         end = min(end, n)
         last = prefill_chunk(parts, draft, request.prompt_ids[begin:end], state.cache,
                              state.dcache)
+        if entry is not None:
+            entry.snapshot(end)
         if request.progress:
             request.progress(end, n)
         begin = end
@@ -691,17 +696,20 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
-            prompt_cache: PromptCache | None) -> Generator[DFlashResponse, None, None]:
+            keep: tuple[PromptCache, CacheEntry] | None) -> Generator[DFlashResponse, None, None]:
     # As mlx-lm's stream_generate: the wired limit around the generation (Metal), each pass on
     # the generation stream, the buffer cache cleared after the prompt, now and then, and at the
     # end (dflash.backend.generation_context).
     with generation_context(parts.model) as stream:
-        yield from _decode_on(parts, draft, tokenizer, request, state, reused, prompt_cache,
-                              stream)
+        yield from _decode_on(parts, draft, tokenizer, request, state, reused, keep, stream)
 
 
 def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
-               prompt_cache: PromptCache | None, stream) -> Generator[DFlashResponse, None, None]:
+               keep: tuple[PromptCache, CacheEntry] | None,
+               stream) -> Generator[DFlashResponse, None, None]:
+    # ``keep``: where the caches go when the generation ends (prompt and reply, for the next
+    # turn); a generation that fails or is abandoned keeps nothing (its caches may be
+    # mid-update), and the entry it took stays in the prompt cache untouched (it had a copy).
     detok = Detokenizer(tokenizer, request.stops)
     stats = DFlashResponse(prompt_tokens=len(request.prompt_ids),
                            priced_ms=state.policy.stats.priced_ms)  # 0.0, or None: not priced
@@ -710,16 +718,16 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
 
     tic = time.perf_counter()
     with pass_stream(stream):
-        last_logits = _prefill(parts, draft, request, state, reused)
-    if prompt_cache is not None:
-        prompt_cache.snapshot(len(request.prompt_ids))
+        last_logits = _prefill(parts, draft, request, state, reused,
+                               None if keep is None else keep[1])
+    if keep is not None:
         stats.reused_prompt_tokens = reused
 
     def finish_cache() -> None:
-        if prompt_cache is not None:
+        if keep is not None:
             state.sync_drafter(draft)
             mx.eval([c.state for c in state.dcache])
-            prompt_cache.store(parts, draft, state.cache, state.dcache, state.fed)
+            keep[0].store(parts, draft, keep[1], state.cache, state.dcache, state.fed)
 
     if max_tokens == 0:
         stats.finish_reason = "length"

@@ -188,8 +188,8 @@ def test_greedy_output_is_the_targets_with_a_small_window(drafters, loaded_pair,
     cache = PromptCache()
     out = generate(model, draft, tokenizer, prompt, max_tokens=40, prompt_cache=cache)
     assert out.tokens == alone(model, prompt, 40)
-    assert all(c.keys.shape[2] <= WINDOW - 1 for c in cache.draft)
-    assert cache.draft[0].offset > 2 * WINDOW
+    assert all(c.keys.shape[2] <= WINDOW - 1 for c in cache.entries()[-1].draft)
+    assert cache.entries()[-1].draft[0].offset > 2 * WINDOW
     # the next turn starts from the kept caches (trimmed back): still exact
     follow = prompt + out.tokens + [5, 6, 7]
     again = generate(model, draft, tokenizer, follow, max_tokens=24, prompt_cache=cache)

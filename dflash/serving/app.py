@@ -43,6 +43,7 @@ from ..errors import (
 )
 from ..lookup import DEFAULT_BUDGET
 from ..pair import Pair, load_pair
+from ..prompt_cache import DEFAULT_ENTRIES
 from ..ranks import Ranks
 from ..speculative import DFlashResponse, build_request
 from ..stats import generation_stats
@@ -512,6 +513,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   reasoning: str = "auto", quiet: bool = False,
                   pair_memory: str | None = None, api_keys: list[str] | None = None,
                   share: str = "key", index_budget: int = DEFAULT_BUDGET,
+                  prompt_cache_size: int = DEFAULT_ENTRIES, prompt_cache_bytes: int | None = None,
                   kv_bits: int | None = None, kv_group_size: int = 64,
                   quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None,
@@ -524,7 +526,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     in the server's process only); ``api_keys``: the keys every route but ``/`` and
     ``/health`` needs (``None``: anyone may use it, as one tenant); ``share``: who shares a
     continuation index and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
-    (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds; ``kv_bits``,
+    (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds;
+    ``prompt_cache_size``, ``prompt_cache_bytes``: conversations (prompt and reply) each scope's
+    prefix cache holds, and their bytes (``None``: no byte bound); ``kv_bits``,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
     (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
     Under ``mlx.launch`` with a sharded target this is rank 0's server (the other ranks run
@@ -535,7 +539,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     """
     if not keepalive > 0:
         raise ServerConfigError(f"--keepalive {keepalive!r}: must be > 0 seconds")
-    keys, scopes = APIKeys(api_keys), Scopes(share, index_budget)  # bad values: before loading
+    keys = APIKeys(api_keys)  # bad values: before loading
+    scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes)
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
         from ..drafter import check_window
 
@@ -609,13 +614,14 @@ def check_served(pair: Pair, served: dict) -> None:
 
 
 def follow_server(model: str | None = None, draft: str | None = None, *, share: str = "key",
-                  index_budget: int = DEFAULT_BUDGET, kv_bits: int | None = None,
+                  index_budget: int = DEFAULT_BUDGET, prompt_cache_size: int = DEFAULT_ENTRIES,
+                  prompt_cache_bytes: int | None = None, kv_bits: int | None = None,
                   kv_group_size: int = 64, quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None) -> None:
     """A rank other than 0 of a sharded server: the same checks as :func:`create_server`, then
     every generation rank 0's server runs, until it stops (:func:`.sharded.follow`)."""
     ranks = sharded_ranks()
-    scopes = Scopes(share, index_budget)
+    scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes)  # as rank 0's
     if draft_window is not None:
         from ..drafter import check_window
 

@@ -2,7 +2,7 @@
 
 Why: two pieces of server state carry text from one request to the next, the continuation index
 (:class:`~dflash.lookup.ContinuationIndex`: earlier prompts and answers, verified as proposals)
-and the prefix cache (:class:`~dflash.prompt_cache.PromptCache`: the caches of the last prompt).
+and the prefix cache (:class:`~dflash.prompt_cache.PromptCache`: the caches of recent conversations, prompt and reply).
 Both make a request faster when its text was seen before, so the speed of an answer (cycles, time
 to first token) would tell a client whether a guessed text was sent or generated for someone else.
 Each API key therefore gets its own index and prefix cache unless the operator says otherwise
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import ServerConfigError
 from ..lookup import DEFAULT_BUDGET, ContinuationIndex
-from ..prompt_cache import PromptCache
+from ..prompt_cache import DEFAULT_ENTRIES, PromptCache
 
 SHARE_MODES = ("key", "all", "none")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -101,14 +101,22 @@ class Scope:
 class Scopes:
     """The scopes of a server, made on first use: ``share`` says whose requests share one."""
 
-    def __init__(self, share: str = "key", index_budget: int = DEFAULT_BUDGET):
+    def __init__(self, share: str = "key", index_budget: int = DEFAULT_BUDGET,
+                 prompt_cache_size: int = DEFAULT_ENTRIES, prompt_cache_bytes: int | None = None):
         if share not in SHARE_MODES:
             raise ServerConfigError(f"--share {share!r}: one of {', '.join(SHARE_MODES)}")
         if isinstance(index_budget, bool) or not isinstance(index_budget, int) \
                 or index_budget <= 0:
             raise ServerConfigError(
                 f"--index-budget {index_budget!r}: must be a positive number of tokens")
+        for flag, value in (("--prompt-cache-size", prompt_cache_size),
+                            ("--prompt-cache-bytes", prompt_cache_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ServerConfigError(f"{flag} {value!r}: must be a positive integer")
         self.share, self.index_budget = share, index_budget
+        # each scope's bound: a server with keys holds up to (keys x size) conversations
+        self.prompt_cache_size, self.prompt_cache_bytes = prompt_cache_size, prompt_cache_bytes
         self._scopes: dict[str, Scope] = {}
         self._lock = threading.Lock()
 
@@ -121,7 +129,8 @@ class Scopes:
             scope = self._scopes.get(name)
             if scope is None:
                 scope = self._scopes[name] = Scope(
-                    name, ContinuationIndex(self.index_budget), PromptCache())
+                    name, ContinuationIndex(self.index_budget),
+                    PromptCache(self.prompt_cache_size, self.prompt_cache_bytes))
             return scope
 
     def scopes(self) -> list[Scope]:
