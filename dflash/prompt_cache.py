@@ -51,7 +51,7 @@ class CacheEntry:
 
     @property
     def nbytes(self) -> int:
-        held = sum(_nbytes(c) for c in self.target + list(self.draft))
+        held = sum(c.nbytes for c in self.target + list(self.draft))
         return held + sum(a.nbytes for states in self.snapshots.values()
                           for state in states for a in state if a is not None)
 
@@ -117,19 +117,13 @@ class CacheEntry:
         return [i for i, c in enumerate(self.target) if isinstance(c, ArraysCache)]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: np.ndarray) -> int:
     """How many leading tokens ``a`` and ``b`` share (numpy: prompts run to 100k tokens)."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    differ = np.flatnonzero(np.asarray(a[:n]) != b[:n])
     return int(differ[0]) if differ.size else n
-
-
-def _nbytes(cache) -> int:
-    if isinstance(cache, ArraysCache):
-        return sum(a.nbytes for a in cache.cache if a is not None)
-    return cache.nbytes
 
 
 class PromptCache:
@@ -145,7 +139,6 @@ class PromptCache:
                 raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._lru = LRUPromptCache(max_entries, (1 << 63) if max_bytes is None else max_bytes)
-        self.reused_tokens = 0  # of the last take, for statistics
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -165,10 +158,10 @@ class PromptCache:
         Every entry is weighed, not only the one sharing the longest prefix: a hybrid
         target's entry goes back only to its snapshots, so a shorter match with a snapshot
         at its end may serve more."""
-        prompt = list(prompt)
+        ids = np.asarray(prompt)
         best, reused, shared = None, 0, 0
         for held in self.entries(_owner(parts, draft)):
-            common = _common_prefix(held.tokens, prompt)
+            common = _common_prefix(held.tokens, ids)
             shared = max(shared, common)
             usable = held.usable(min(common, len(prompt) - 1))
             if usable > reused:
@@ -176,9 +169,10 @@ class PromptCache:
         if best is None:
             entry = CacheEntry(make_cache(parts), draft.make_cache())
         else:
-            entry = copy.deepcopy(best)
+            # the caches are written in place, so copied; snapshots hold immutable arrays: shared
+            entry = copy.deepcopy(best, {id(best.snapshots): dict(best.snapshots)})
             entry.trim(len(entry.tokens) - reused)
-        entry.reused = self.reused_tokens = len(entry.tokens)
+        entry.reused = len(entry.tokens)
         entry.shared = max(entry.reused, min(shared, len(prompt) - 1))
         return entry
 
