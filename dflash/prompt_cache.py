@@ -143,6 +143,17 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def __deepcopy__(self, memo: dict) -> PromptCache:
+        """An independent copy holding copies of the entries, in the same recency order.
+
+        Copying mlx-lm's token trie as it is recurses once per token (a 100k-token prompt
+        overflows Python's stack), so the copy is rebuilt by storing each entry again."""
+        out = PromptCache(self.max_entries, self.max_bytes)
+        for owner, entry in self._held():
+            held = copy.deepcopy(entry, memo)
+            out._lru.insert_cache(owner, list(held.tokens), [held])
+        return out
+
     @property
     def nbytes(self) -> int:
         return self._lru.nbytes
@@ -188,12 +199,15 @@ class PromptCache:
 
     def entries(self, owner: tuple[int, int] | None = None) -> list[CacheEntry]:
         """The entries held (``owner``: one pair's), least recently used first."""
-        out = []
+        return [entry for model, entry in self._held() if owner is None or model == owner]
+
+    def _held(self) -> list[tuple[tuple[int, int], CacheEntry]]:
+        """``(owner, entry)`` for every entry, least recently used first."""
+        held = []
         for lru in self._lru._lru._lrus.values():
             for model, tokens in lru:
-                if owner is None or model == owner:
-                    out.append(self._lru._trie.get(model, tokens).prompt_cache[0])
-        return out
+                held.append((model, self._lru._trie.get(model, tokens).prompt_cache[0]))
+        return held
 
 
 def _owner(parts: TargetParts, draft) -> tuple[int, int]:

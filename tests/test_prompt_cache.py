@@ -124,6 +124,26 @@ def test_least_recently_used_conversations_are_dropped_by_count_and_bytes(loaded
         PromptCache(max_bytes=-5)
 
 
+def test_a_copy_of_a_long_conversation_is_independent(loaded_pair):
+    """A bench replays each run from a copy of one prefilled cache: the copy of a 3000-token
+    conversation (mlx-lm's token trie copied as it is recurses per token) serves the same
+    reuse, and a generation from it leaves the original as it was."""
+    import copy
+
+    model, tokenizer, draft = loaded_pair("llama")
+    prompt = [(7 * i) % 200 + 3 for i in range(3000)]
+    pc = PromptCache()
+    generate(model, draft, tokenizer, prompt, max_tokens=4, prompt_cache=pc)
+    held = pc.entries()[0].tokens
+    twin = copy.deepcopy(pc)
+    assert len(twin) == 1 and twin.entries()[0].tokens == held
+    assert twin.entries()[0].target[0] is not pc.entries()[0].target[0]
+    longer = held + [5, 6, 7]
+    out = generate(model, draft, tokenizer, longer, max_tokens=4, prompt_cache=twin)
+    assert out.stats.reused_prompt_tokens == len(held)
+    assert pc.entries()[0].tokens == held and pc.entries()[0].target[0].offset == len(held)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
 def test_the_batched_engine_keeps_every_reply(kind, loaded_pair):
     """The server's engine: three conversations decode together (rows leave the batch at
