@@ -291,11 +291,13 @@ class BatchGenerator:
         if state is not None:  # its passes are shared with other rows: no price of its own
             state.policy.stats.priced_ms = None
         uid, self.next_uid = self.next_uid, self.next_uid + 1
+        prompt_cache = self.prompt_cache if prompt_cache is None else prompt_cache
+        if request.prompt_logprobs:  # every prompt row is scored: nothing cached is skipped
+            prompt_cache = None
         self.queue.append(_Sequence(uid, request, state,
                                     DFlashResponse(prompt_tokens=len(request.prompt_ids)),
                                     Detokenizer(self.tokenizer, request.stops),
-                                    prompt_cache=self.prompt_cache if prompt_cache is None
-                                    else prompt_cache))
+                                    prompt_cache=prompt_cache))
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -421,7 +423,8 @@ class BatchGenerator:
         chunk = ids[begin:begin + budget]
         if seq.entry is not None and begin < seq.entry.shared < begin + len(chunk):
             chunk = ids[begin:seq.entry.shared]  # a prefix other conversations share: snapshot
-        last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache)
+        last = prefill_chunk(self.parts, self.draft, chunk, seq.cache, seq.dcache,
+                             seq.state.scorer)
         mx.clear_cache()  # after each prompt chunk, as mlx-lm's prefill
         seq.prefilled = begin + len(chunk)
         if seq.entry is not None:  # a point a prompt sharing only a prefix can go back to
@@ -439,14 +442,19 @@ class BatchGenerator:
         ids = seq.request.prompt_ids
         if seq.prompt_cache is not None:  # the next prompt may share a prefix with this one
             seq.prompt_cache.store(self.parts, self.draft, seq.entry, seq.cache, seq.dcache, ids)
+        prompt_scores = None if seq.state.scorer is None else seq.state.scorer.entries
         if seq.request.max_tokens == 0:
-            self._event(seq, snapshot(seq.stats, "", [], "length"), events)
+            response = snapshot(seq.stats, "", [], "length")
+            response.prompt_logprobs = prompt_scores
+            self._event(seq, response, events)
             return
         token = first_token(seq.request, seq.state, last)
         now = time.perf_counter()
         seq.stats.prompt_tps = len(ids) / (now - seq.tic)
         seq.tic = now
-        response = emit(seq.request, seq.state, seq.stats, seq.detok, [token], seq.tic)
+        response = emit(seq.request, seq.state, seq.stats, seq.detok, [token], seq.tic,
+                        seq.request.scored(last, [token]))
+        response.prompt_logprobs = prompt_scores
         self._event(seq, response, events)
         if response.finish_reason is not None:
             return
@@ -490,7 +498,8 @@ class BatchGenerator:
                                 min(seq.request.block_size, seq.remaining), seq.remaining,
                                 max_stretch=LONE_STRETCH)
         count_step(seq.stats, state, step, t0, time.perf_counter())
-        response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic)
+        response = emit(seq.request, state, seq.stats, seq.detok, step.tokens, seq.tic,
+                        step.logprobs)
         self._event(seq, response, events)
         if response.finish_reason is not None:
             self._keep_reply(seq, state.cache, state.dcache)
@@ -620,8 +629,11 @@ class BatchGenerator:
             else:
                 outcome = Outcome(Plain(1), context=context, shared=True)
             s.state.policy.observe(outcome)
-            steps.append(StepResult(props[:a] + [bonus], a, len(props), drafted, not props,
-                                    lookup=looked))
+            emitted = props[:a] + [bonus]
+            # Rows 0..a of its pass predicted them (read only where the request asks).
+            steps.append(StepResult(emitted, a, len(props), drafted, not props,
+                                    lookup=looked,
+                                    logprobs=s.request.scored(logits[i, :a + 1], emitted)))
             keep.append(a + 1)
         # Every row's accepted count read on the host: the pass is done.
         self.costs.observe("verify", len(self.rows) * width, longest,
@@ -636,7 +648,8 @@ class BatchGenerator:
         done = []
         for s, step in zip(self.rows, steps):
             count_step(s.stats, s.state, step, t0, t2)
-            response = emit(s.request, s.state, s.stats, s.detok, step.tokens, s.tic)
+            response = emit(s.request, s.state, s.stats, s.detok, step.tokens, s.tic,
+                            step.logprobs)
             self._event(s, response, events)
             done.append(response.finish_reason is not None)
             if done[-1]:
@@ -690,11 +703,18 @@ def batch_generate(model, draft, tokenizer, prompts: Sequence[str | Sequence[int
     text: dict[int, list[str]] = {u: [] for u in uids}
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     last: dict[int, DFlashResponse] = {}
+    asked = settings.get("logprobs") is not None
+    scores: dict[int, list | None] = {u: [] if asked else None for u in uids}
+    prompt_scores: dict[int, list | None] = {u: None for u in uids}
     with generation_context(model):  # as mlx-lm's batch_generate: the wired limit (Metal)
         while engine.active or engine.pending:
             for e in engine.step():
                 text[e.uid].append(e.text)
                 tokens[e.uid].extend(e.tokens)
                 last[e.uid] = e.stats
-    return [GenerationResult("".join(text[u]), tokens[u], last[u].finish_reason, last[u])
-            for u in uids]
+                if e.stats.logprobs is not None:
+                    scores[e.uid].extend(e.stats.logprobs)
+                if e.stats.prompt_logprobs is not None:
+                    prompt_scores[e.uid] = e.stats.prompt_logprobs
+    return [GenerationResult("".join(text[u]), tokens[u], last[u].finish_reason, last[u],
+                             scores[u], prompt_scores[u]) for u in uids]

@@ -16,6 +16,7 @@ from .cost_model import PassCosts, cost_model
 from .distributed import model_ranks, shard_count
 from .drafter import full_logits
 from .errors import GenerationConfigError
+from .logprobs import PromptScorer, TokenLogprob, check_logprobs, log_softmax, read_logprobs
 from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match, continuations
 from .policy import (
     MAX_BACKOFF,
@@ -88,6 +89,11 @@ class DFlashResponse:
     # The passes chosen at this machine's calibrated costs (auto and tree policies; not batched)
     priced_ms: float | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
+    # ``logprobs=N`` asked (dflash.logprobs): one entry per token of ``tokens``; and on the first
+    # response, with ``prompt_logprobs``, one per prompt token (the first ``None``: nothing
+    # predicts it).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -96,6 +102,8 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str | None
     stats: DFlashResponse
+    logprobs: list[TokenLogprob] | None = None  # one per token (``logprobs=N`` asked)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # ``prompt_logprobs=True``
 
 
 def _stop_sequences(stop: str | Sequence[str] | None) -> list[str]:
@@ -210,6 +218,8 @@ def build_request(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = QUANTIZED_KV_START,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
 ) -> DecodeRequest:
     """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
     field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
@@ -264,6 +274,9 @@ def build_request(
     if any(not 0 <= t < parts.vocab_size for t in prompt_ids):
         raise GenerationConfigError("prompt: token id outside the target vocabulary")
     check_prompt_length(parts, len(prompt_ids))
+    check_logprobs(logprobs, parts.vocab_size)
+    if not isinstance(prompt_logprobs, bool):
+        raise GenerationConfigError(f"prompt_logprobs={prompt_logprobs!r}: must be True or False")
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     stop_ids |= {int(t) for t in stop_token_ids or ()}
 
@@ -272,7 +285,8 @@ def build_request(
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
-        lookup=bool(lookup), memory=memory, index=index, kv=kv)
+        lookup=bool(lookup), memory=memory, index=index, kv=kv,
+        logprobs=None if logprobs is None else int(logprobs), prompt_logprobs=prompt_logprobs)
 
 
 def _signature() -> inspect.Signature:
@@ -308,6 +322,17 @@ class DecodeRequest:
     memory: PairMemory | None = None  # what earlier generations taught (None: the drafter's)
     index: ContinuationIndex | None = None  # earlier requests' text (dflash.lookup); told this one's
     kv: KVQuantization | None = None  # the target's quantized KV cache (None: float)
+    # Each emitted token's log-probability with this many alternatives (None: not computed);
+    # ``prompt_logprobs``: the prompt's too (the same number of alternatives, 0 if None).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+
+    def scored(self, logits: mx.array, tokens: list[int]) -> list[TokenLogprob] | None:
+        """The log-probabilities of ``tokens``, row ``i`` of raw ``logits`` ``(R, V)`` scoring
+        ``tokens[i]`` (``None``: not asked, nothing computed)."""
+        if self.logprobs is None:
+            return None
+        return read_logprobs(log_softmax(logits[:len(tokens)]), tokens, self.logprobs)
 
     @property
     def priced_kv(self) -> KVQuantization | None:
@@ -346,6 +371,7 @@ class DecodeState:
     lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
     costs: PassCosts | None = None  # told each pass's time (dflash.cost_model)
     trees: bool = False  # the target verifies trees (attention-only)
+    scorer: PromptScorer | None = None  # the prompt's log-probabilities (prompt_logprobs)
 
     def look(self, request: DecodeRequest, remaining: int, ahead: list[int] | None = None,
              rivals: bool = False):
@@ -392,6 +418,10 @@ def run_request(parts, draft, tokenizer, request: DecodeRequest,
     if prompt_cache is not None and request.kv is not None:
         # A quantized cache's content depends on where its prompt switched: not reusable.
         prompt_cache.clear()
+        prompt_cache = None
+    if request.prompt_logprobs:
+        # Every prompt row must come out of this prefill to be scored: a cached prefix would
+        # skip its rows (and the entry this prefill could leave would be no different).
         prompt_cache = None
     if prompt_cache is None:
         entry = None
@@ -442,19 +472,25 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                        proposed_at=[0] * (request.block_size - 1),
                        costs=shared_cost if shared_cost is not None
                        else cost_model(parts, draft, request.priced_kv),
-                       trees=trees)
+                       trees=trees,
+                       scorer=PromptScorer(request.logprobs or 0) if request.prompt_logprobs
+                       else None)
 
 
-def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list) -> mx.array:
+def prefill_chunk(parts, draft, tokens: list[int], cache: list, dcache: list,
+                  scorer: PromptScorer | None = None) -> mx.array:
     """Feed one chunk of prompt ``tokens`` to the target and its taps to the drafter's context;
-    the chunk's last logits ``(1, V)``, evaluated with the caches."""
-    # Only the last row's logits are read: the head (the largest matrix of a small model) runs on
-    # that row alone.
+    the chunk's last logits ``(1, V)``, evaluated with the caches. ``scorer``: every row's logits
+    are computed and the chunk's tokens scored (``prompt_logprobs``)."""
+    # Only the last row's logits are read otherwise: the head (the largest matrix of a small
+    # model) runs on that row alone.
     logits, taps = forward(parts, mx.array(tokens)[None], cache, draft.target_layer_ids,
-                           logits_rows=slice(-1, None))
+                           logits_rows=None if scorer is not None else slice(-1, None))
     draft.append_context(taps, dcache)
     last = logits[0, -1:]
     mx.eval(last, [c.state for c in cache], [c.state for c in dcache])
+    if scorer is not None:
+        scorer.add(logits[0], tokens)
     return last
 
 
@@ -472,7 +508,7 @@ def _prefill(parts, draft, request: DecodeRequest, state: DecodeState, start: in
     for end in ends:
         end = min(end, n)
         last = prefill_chunk(parts, draft, request.prompt_ids[begin:end], state.cache,
-                             state.dcache)
+                             state.dcache, state.scorer)
         if entry is not None:
             entry.snapshot(end)
         if request.progress:
@@ -489,6 +525,7 @@ class StepResult(NamedTuple):
     plain: bool  # the policy skipped drafting: a plain one-token target step
     depths: int | None = None  # a tree's depth (a chain's is ``verified``)
     lookup: bool = False  # the proposals were the context's continuation, not the drafter's
+    logprobs: list[TokenLogprob] | None = None  # one per token (``request.logprobs`` asked)
 
 
 class DraftedBlock(NamedTuple):
@@ -587,6 +624,9 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
                            draft.target_layer_ids, trace)
     a, bonus = request.sampler.accept(logits[0], proposals, q, state.history)
     state.timed("verify", verified, context, time.perf_counter() - drafted)
+    emitted = proposals[:a] + [bonus]
+    # Rows 0..a predicted the emitted tokens: read before the roll-back replaces the pass.
+    scores = request.scored(logits[0], emitted)
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
@@ -594,8 +634,8 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
                                  draft_rows=0 if block is None else block.rows, context=context))
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending, [c.state for c in state.cache])
-    return StepResult(proposals[:a] + [bonus], a, verified - 1, drafted, False,
-                      lookup=isinstance(plan, Continuation))
+    return StepResult(emitted, a, verified - 1, drafted, False,
+                      lookup=isinstance(plan, Continuation), logprobs=scores)
 
 
 def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int) -> StepResult:
@@ -616,9 +656,12 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
 
     fed, (logits, taps) = state.history[-1], step(state.history[-1])
     out: list[int] = []
+    rows: list[mx.array] = []  # each step's raw logits, read once at the end (logprobs asked)
     stretch, i = n, 0
     while i < n:
         more = i + 1 < n
+        if request.logprobs is not None:
+            rows.append(logits)
         processed = sampler.process(logits, state.history + out, None)
         if pipelined:
             lazy = mx.argmax(processed, axis=-1)
@@ -657,7 +700,8 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
     state.timed("step" if pipelined and len(out) > 1 else "verify", 1, context,
                 (time.perf_counter() - started) / max(1, len(out)))
     mx.async_eval(state.pending, [c.state for c in state.cache])
-    return StepResult(out, len(out) - 1, 0, started, True)
+    scores = request.scored(mx.concatenate(rows), out) if rows else None
+    return StepResult(out, len(out) - 1, 0, started, True, logprobs=scores)
 
 
 def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
@@ -683,6 +727,8 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
     path, bonus = walk(tree, sampler.sample(processed).tolist())
     state.timed("verify", len(tree), start, time.perf_counter() - drafted)
     keep = [0] + path
+    # The root and the accepted nodes predicted the emitted tokens (the path, then the bonus).
+    scores = request.scored(logits[mx.array(keep)], [tree.tokens[i] for i in path] + [bonus])
     commit_tree_path(state.cache, start, keep, len(tree))
     state.fed += [tree.tokens[i] for i in keep]
     state.commit_taps(taps[:, mx.array(keep)])
@@ -692,7 +738,7 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult([tree.tokens[i] for i in path] + [bonus], len(path), len(tree) - 1,
                       drafted, False, depths=max(tree.depths),
-                      lookup=isinstance(plan, Continuation))
+                      lookup=isinstance(plan, Continuation), logprobs=scores)
 
 
 def _decode(parts, draft, tokenizer, request: DecodeRequest, state: DecodeState, reused: int,
@@ -729,20 +775,25 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
             mx.eval([c.state for c in state.dcache])
             keep[0].store(parts, draft, keep[1], state.cache, state.dcache, state.fed)
 
+    prompt_scores = None if state.scorer is None else state.scorer.entries
     if max_tokens == 0:
         stats.finish_reason = "length"
         finish_cache()
         stats.peak_memory = mx.get_peak_memory() / 1e9  # the prefill's
+        stats.prompt_logprobs = prompt_scores
         yield stats
         return
     with pass_stream(stream):
         emitted = [first_token(request, state, last_logits)]
+        scores = request.scored(last_logits, emitted)
     mx.clear_cache()
     stats.prompt_tps = len(request.prompt_ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
     while True:
         # Emit what the last cycle produced (the first time: the prefill's token).
-        response = emit(request, state, stats, detok, emitted, tic)
+        response = emit(request, state, stats, detok, emitted, tic, scores)
+        if prompt_scores is not None:  # on the first response only
+            response.prompt_logprobs, prompt_scores = prompt_scores, None
         if response.finish_reason is not None:
             finish_cache()
         yield response
@@ -754,7 +805,7 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
         bs = min(request.block_size, max_tokens - done)
         with pass_stream(stream):
             step = speculative_step(parts, draft, request, state, bs, max_tokens - done)
-        emitted = step.tokens
+        emitted, scores = step.tokens, step.logprobs
         count_step(stats, state, step, t0, time.perf_counter())
         if (done + len(emitted)) // CLEAR_CACHE_EVERY > done // CLEAR_CACHE_EVERY:
             mx.clear_cache()
@@ -767,9 +818,11 @@ def first_token(request: DecodeRequest, state: DecodeState, last_logits: mx.arra
 
 
 def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, detok: Detokenizer,
-         emitted: list[int], tic: float) -> DFlashResponse:
+         emitted: list[int], tic: float,
+         logprobs: list[TokenLogprob] | None = None) -> DFlashResponse:
     """The response for the tokens a cycle produced: cut at a stop id, at ``max_tokens`` or at a
-    stop string; the history and the running statistics updated (``tic``: decoding's start)."""
+    stop string; the history and the running statistics updated (``tic``: decoding's start).
+    ``logprobs``: the tokens' log-probabilities, cut with them."""
     finish = None
     for j, t in enumerate(emitted):
         if t in request.stop_ids:
@@ -788,7 +841,10 @@ def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, deto
     stats.peak_memory = mx.get_peak_memory() / 1e9
     stats.acceptance_by_position = [a / p if p else 0.0
                                     for a, p in zip(state.accepted_at, state.proposed_at)]
-    return snapshot(stats, text, emitted, finish)
+    response = snapshot(stats, text, emitted, finish)
+    if logprobs is not None:
+        response.logprobs = list(logprobs[:len(emitted)])
+    return response
 
 
 def count_step(stats: DFlashResponse, state: DecodeState, step: StepResult, t0: float,
@@ -827,14 +883,23 @@ def snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFl
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> GenerationResult:
-    """Non-streaming :func:`stream_generate`: the whole text, the tokens and the final statistics."""
+    """Non-streaming :func:`stream_generate`: the whole text, the tokens and the final statistics
+    (with ``logprobs=N``, every token's log-probability; ``prompt_logprobs``, the prompt's)."""
     text, tokens, last = [], [], None
+    scores, prompt_scores = None, None
     for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text.append(r.text)
         tokens.extend(r.tokens)
         last = r
+        if r.logprobs is not None:
+            scores = (scores or []) + r.logprobs
+        if r.prompt_logprobs is not None:
+            prompt_scores = r.prompt_logprobs
         if verbose:
             print(r.text, end="", flush=True)
     if verbose:
         print()
-    return GenerationResult("".join(text), tokens, last.finish_reason, last)
+    if kwargs.get("logprobs") is not None and scores is None:
+        scores = []  # asked, and no token came
+    return GenerationResult("".join(text), tokens, last.finish_reason, last, scores,
+                            prompt_scores)
