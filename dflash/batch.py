@@ -441,7 +441,8 @@ class BatchGenerator:
         """A prompt is prefilled: its first token, then its caches join the batch as a row."""
         ids = seq.request.prompt_ids
         if seq.prompt_cache is not None:  # the next prompt may share a prefix with this one
-            seq.prompt_cache.store(self.parts, self.draft, seq.entry, seq.cache, seq.dcache, ids)
+            seq.prompt_cache.store(self.parts, self.draft, seq.entry, seq.cache, seq.dcache, ids,
+                                   persist=seq.request.max_tokens == 0)
         prompt_scores = None if seq.state.scorer is None else seq.state.scorer.entries
         if seq.request.max_tokens == 0:
             response = snapshot(seq.stats, "", [], "length")

@@ -204,6 +204,16 @@ def add_prompt_cache_args(g) -> None:
     g.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="bytes the prefix cache's conversations may hold, e.g. 8GB or 500MB "
                         "(default: no bound but --prompt-cache-size)")
+    add_prompt_cache_dir_args(g)
+
+
+def add_prompt_cache_dir_args(g) -> None:
+    g.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="also keep the cached conversations on disk in DIR (one folder per API "
+                        "key), so that a restart finds them (default: memory only)")
+    g.add_argument("--prompt-cache-dir-bytes", type=byte_size, default=16 * 10**9,
+                   metavar="SIZE", help="bytes --prompt-cache-dir may hold per API key, the "
+                                        "least recently used files removed first (default 16GB)")
 
 
 def byte_size(text: str) -> int:
@@ -406,7 +416,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .prompt_cache import PromptCache
     from .speculative import stream_generate
 
-    prompt_cache = PromptCache()  # later turns prefill only what the conversation added
+    # later turns prefill only what the conversation added; with a folder, also after a restart
+    folder = args.prompt_cache_dir
+    if folder is not None and ranks.distributed:
+        folder = Path(folder) / f"rank-{ranks.rank}"  # each rank holds its own stage's caches
+    try:
+        prompt_cache = PromptCache(directory=folder,
+                                   directory_bytes=args.prompt_cache_dir_bytes)
+    except DFlashError as e:
+        raise CLIError(one_line(e), code=1) from None
     # What earlier turns wrote, proposed again where a turn repeats it (kept across /reset: a
     # question asked again is answered at the speed of verifying its earlier answer).
     index = ContinuationIndex()
@@ -549,6 +567,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       index_budget=args.index_budget or DEFAULT_BUDGET,
                       prompt_cache_size=args.prompt_cache_size,
                       prompt_cache_bytes=args.prompt_cache_bytes,
+                      prompt_cache_dir=args.prompt_cache_dir,
+                      prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
                       draft_window=args.draft_window, **kv_kwargs(args))
         return 0
     try:  # settings every request would be refused with: refused here, before the port is bound
@@ -561,6 +581,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                **kv_kwargs(args), index_budget=args.index_budget or DEFAULT_BUDGET,
                                prompt_cache_size=args.prompt_cache_size,
                                prompt_cache_bytes=args.prompt_cache_bytes,
+                               prompt_cache_dir=args.prompt_cache_dir,
+                               prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
                                draft_window=args.draft_window, rank_timeout=args.rank_timeout,
                                keepalive=args.keepalive)
     except DFlashError as e:
@@ -829,6 +851,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=1024)
     add_kv_args(p)
     add_draft_window_arg(p)
+    add_prompt_cache_dir_args(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no statistics after each answer")
     p.set_defaults(func=cmd_chat)
 

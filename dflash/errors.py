@@ -59,6 +59,10 @@ class MissingDependencyError(DFlashError):
     """An optional extra (``dflash[serve]``, ``dflash[bench]``) that is not installed."""
 
 
+class PromptCacheDirError(DFlashError):
+    """A ``--prompt-cache-dir``, or ``PromptCache(directory=...)``, that cannot be made or written."""
+
+
 class BackendSetupError(DFlashError):
     """MLX's CPU backend cannot be set up as asked (``DFLASH_BLAS``): OpenBLAS missing, or
     ``mlx.core`` loaded first by a build whose BLAS calls cannot be routed to it."""

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, LRUPromptCache, RotatingKVCache
 
+from .cache_files import CacheFolder, pair_fingerprint, servable
 from .errors import GenerationConfigError
 from .target import TargetParts, make_cache
 
 MAX_SNAPSHOTS = 8  # recurrent states kept per entry (Qwen3.5-4B's: ~25 MB each in bf16)
 DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size
+DEFAULT_DISK_BYTES = 16 * 10**9  # a cache folder's budget (per scope) unless given
 
 
 @dataclass
@@ -89,13 +92,8 @@ class CacheEntry:
 
     def usable(self, n: int) -> int:
         """The longest prefix of at most ``n`` of its tokens it can go back to."""
-        if n >= len(self.tokens):
-            return len(self.tokens)
-        if not self.is_trimmable():
-            return 0
-        if self._recurrent():
-            return max((k for k in self.snapshots if k <= n), default=0)
-        return n
+        return servable(len(self.tokens), n, self.is_trimmable(), bool(self._recurrent()),
+                        self.snapshots)
 
     def snapshot(self, n_tokens: int) -> None:
         """Remember the recurrent states after ``n_tokens`` fed tokens (cheap: references).
@@ -130,15 +128,47 @@ class PromptCache:
     """The caches of recent conversations, for ``stream_generate(..., prompt_cache=...)`` and
     the batched engine; at most ``max_entries`` entries and ``max_bytes`` bytes (``None``: no
     byte bound), least recently used evicted first. Used by one thread at a time (the server's
-    worker owns its scopes' caches)."""
+    worker owns its scopes' caches).
 
-    def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_bytes: int | None = None):
-        for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes)):
+    ``directory``: conversations also kept on disk there (at most ``directory_bytes``), written
+    when a reply is stored and loaded when a prompt first needs one, so they survive a restart
+    (:mod:`dflash.cache_files`). :meth:`save` / :meth:`load` do the same at chosen moments."""
+
+    def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_bytes: int | None = None,
+                 directory: str | Path | None = None,
+                 directory_bytes: int = DEFAULT_DISK_BYTES):
+        for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes),
+                            ("directory_bytes", directory_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._lru = LRUPromptCache(max_entries, (1 << 63) if max_bytes is None else max_bytes)
+        self.folder = None if directory is None else CacheFolder(directory, directory_bytes)
+        self._pairs: dict[tuple[int, int], tuple] = {}  # owner -> (parts, draft, fingerprint)
+
+    @classmethod
+    def load(cls, directory: str | Path, **bounds) -> PromptCache:
+        """A cache kept in ``directory`` (written by :meth:`save` or a server's
+        ``--prompt-cache-dir``): its entries are read when a prompt first needs one."""
+        return cls(directory=directory, **bounds)
+
+    def save(self, directory: str | Path | None = None) -> None:
+        """Write every entry held to ``directory`` (default: this cache's own folder) and wait
+        for the writes."""
+        folder = self.folder if directory is None else CacheFolder(
+            directory, self.folder.max_bytes if self.folder else DEFAULT_DISK_BYTES)
+        if folder is None:
+            raise GenerationConfigError("PromptCache.save: no directory given and none set")
+        for owner, entry in self._held():
+            if owner in self._pairs:
+                folder.save(self._fingerprint(*self._pairs[owner][:2]), entry)
+        folder.flush()
+
+    def flush(self) -> None:
+        """Wait for the entries being written to this cache's folder."""
+        if self.folder is not None:
+            self.folder.flush()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -177,6 +207,10 @@ class PromptCache:
             usable = held.usable(min(common, len(prompt) - 1))
             if usable > reused:
                 best, reused = held, usable
+        if self.folder is not None:
+            loaded = self._from_disk(parts, draft, ids, reused)
+            if loaded is not None:
+                best, reused = loaded
         if best is None:
             entry = CacheEntry(make_cache(parts), draft.make_cache())
         else:
@@ -188,14 +222,49 @@ class PromptCache:
         return entry
 
     def store(self, parts: TargetParts, draft, entry: CacheEntry, target: list, dcache: list,
-              tokens: list[int]) -> None:
+              tokens: list[int], persist: bool = True) -> None:
         """Keep caches after a prefill or a generation: ``tokens`` are exactly those fed to
         ``target``, and ``dcache`` has seen the features of all of them. The entry is the
-        cache's from now on: the caller must not write into these caches again."""
+        cache's from now on: the caller must not write into these caches again. ``persist``:
+        also written to the cache folder, if any (a finished reply; not a prompt whose reply
+        is still being decoded)."""
         entry.target, entry.draft, entry.tokens = target, dcache, list(tokens)
         entry.snapshots = {k: s for k, s in entry.snapshots.items() if k <= len(tokens)}
-        if tokens:
-            self._lru.insert_cache(_owner(parts, draft), list(tokens), [entry])
+        if not tokens:
+            return
+        owner = _owner(parts, draft)
+        self._pairs.setdefault(owner, (parts, draft, None))
+        self._lru.insert_cache(owner, list(tokens), [entry])
+        if persist and self.folder is not None:
+            self.folder.save(self._fingerprint(parts, draft), entry)
+
+    def _fingerprint(self, parts: TargetParts, draft) -> str:
+        owner = _owner(parts, draft)
+        known = self._pairs.get(owner)
+        if known is None or known[2] is None:
+            known = self._pairs[owner] = (parts, draft, pair_fingerprint(parts, draft))
+        return known[2]
+
+    def _from_disk(self, parts: TargetParts, draft, ids: np.ndarray,
+                   reused: int) -> tuple[CacheEntry, int] | None:
+        """The file entry serving more of ``ids`` than ``reused`` (what memory serves), loaded
+        and held in memory from now on; ``None`` if none does (or it does not read back)."""
+        fingerprint = self._fingerprint(parts, draft)
+        ranked = []
+        for header in self.folder.headers(fingerprint):
+            common = _common_prefix(header.tokens, ids)
+            usable = servable(len(header.tokens), min(common, len(ids) - 1), header.trimmable,
+                              header.recurrent, header.points)
+            if usable > reused:
+                ranked.append((usable, header))
+        for usable, header in sorted(ranked, key=lambda r: -r[0]):
+            found = self.folder.load(header, fingerprint, make_cache(parts), draft.make_cache())
+            if found is not None:
+                entry = CacheEntry(*found)
+                self._pairs.setdefault(_owner(parts, draft), (parts, draft, fingerprint))
+                self._lru.insert_cache(_owner(parts, draft), list(entry.tokens), [entry])
+                return entry, usable
+        return None
 
     def entries(self, owner: tuple[int, int] | None = None) -> list[CacheEntry]:
         """The entries held (``owner``: one pair's), least recently used first."""

@@ -18,7 +18,7 @@ import pytest
 
 from dflash.errors import APIError, ServerConfigError
 from dflash.serving.requests import ServedModel, parse_request
-from dflash.serving.scopes import ANONYMOUS, APIKeys, Scopes, read_keys_file
+from dflash.serving.scopes import ANONYMOUS, APIKeys, Scopes, read_keys_file, scope_name
 
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
 SERVED = ServedModel(name="tiny", path="/models/tiny", vocab_size=100, max_context=64,
@@ -32,8 +32,12 @@ SERVED = ServedModel(name="tiny", path="/models/tiny", vocab_size=100, max_conte
 def test_keys_match_in_either_header_and_name_their_scope():
     keys = APIKeys([KEY_A, KEY_B, KEY_A])
     assert len(keys) == 2
-    assert keys.check(f"Bearer {KEY_B}", None) == keys.check("bearer  " + KEY_B, "x") == "key-1"
-    assert keys.check(None, KEY_A) == "key-0"
+    b = keys.check(f"Bearer {KEY_B}", None)
+    assert b == keys.check("bearer  " + KEY_B, "x") == scope_name(KEY_B)
+    assert keys.check(None, KEY_A) == scope_name(KEY_A) != b
+    # named by the key, not its place: a list in another order names the same scopes
+    assert APIKeys([KEY_B, KEY_A]).check(None, KEY_A) == scope_name(KEY_A)
+    assert KEY_A not in scope_name(KEY_A) and scope_name(KEY_A).startswith("key-")
     for auth, x in [(None, None), ("Bearer", None), (KEY_A, None), ("Basic " + KEY_A, None),
                     ("Bearer " + KEY_A[:-1], None), (None, KEY_A + "x"), (None, "")]:
         assert keys.check(auth, x) is None, (auth, x)

@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..lookup import DEFAULT_BUDGET
 from ..pair import Pair, load_pair
-from ..prompt_cache import DEFAULT_ENTRIES
+from ..prompt_cache import DEFAULT_DISK_BYTES, DEFAULT_ENTRIES
 from ..ranks import Ranks
 from ..speculative import DFlashResponse, build_request
 from ..stats import generation_stats
@@ -514,6 +514,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   pair_memory: str | None = None, api_keys: list[str] | None = None,
                   share: str = "key", index_budget: int = DEFAULT_BUDGET,
                   prompt_cache_size: int = DEFAULT_ENTRIES, prompt_cache_bytes: int | None = None,
+                  prompt_cache_dir: str | None = None,
+                  prompt_cache_dir_bytes: int = DEFAULT_DISK_BYTES,
                   kv_bits: int | None = None, kv_group_size: int = 64,
                   quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None,
@@ -528,7 +530,9 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     continuation index and a prefix cache, ``"key"`` (one per API key), ``"all"`` or ``"none"``
     (:class:`~.scopes.Scopes`); ``index_budget``: tokens each index holds;
     ``prompt_cache_size``, ``prompt_cache_bytes``: conversations (prompt and reply) each scope's
-    prefix cache holds, and their bytes (``None``: no byte bound); ``kv_bits``,
+    prefix cache holds, and their bytes (``None``: no byte bound); ``prompt_cache_dir``,
+    ``prompt_cache_dir_bytes``: those conversations also kept on disk there, each scope in a
+    folder of its own within that budget, so a restart finds them; ``kv_bits``,
     ``kv_group_size``, ``quantized_kv_start``: mlx-lm's quantized KV cache for every request
     (one sequence at a time: ``max_concurrency`` 1; ``quantized_kv_start`` defaults to mlx-lm's).
     Under ``mlx.launch`` with a sharded target this is rank 0's server (the other ranks run
@@ -540,7 +544,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     if not keepalive > 0:
         raise ServerConfigError(f"--keepalive {keepalive!r}: must be > 0 seconds")
     keys = APIKeys(api_keys)  # bad values: before loading
-    scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes)
+    scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes,
+                    prompt_cache_dir, prompt_cache_dir_bytes)
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
         from ..drafter import check_window
 
@@ -553,6 +558,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                 f"max_concurrency={max_concurrency} must be 1")
         max_concurrency = 1
     ranks = sharded_ranks()  # rank 0 of a sharded target: the others follow its engine calls
+    if ranks is not None:
+        scopes.on_rank(ranks.rank)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -615,13 +622,16 @@ def check_served(pair: Pair, served: dict) -> None:
 
 def follow_server(model: str | None = None, draft: str | None = None, *, share: str = "key",
                   index_budget: int = DEFAULT_BUDGET, prompt_cache_size: int = DEFAULT_ENTRIES,
-                  prompt_cache_bytes: int | None = None, kv_bits: int | None = None,
+                  prompt_cache_bytes: int | None = None, prompt_cache_dir: str | None = None,
+                  prompt_cache_dir_bytes: int = DEFAULT_DISK_BYTES, kv_bits: int | None = None,
                   kv_group_size: int = 64, quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None) -> None:
     """A rank other than 0 of a sharded server: the same checks as :func:`create_server`, then
     every generation rank 0's server runs, until it stops (:func:`.sharded.follow`)."""
     ranks = sharded_ranks()
-    scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes)  # as rank 0's
+    scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes,  # as rank 0's
+                    prompt_cache_dir, prompt_cache_dir_bytes)
+    scopes.on_rank(ranks.rank)
     if draft_window is not None:
         from ..drafter import check_window
 

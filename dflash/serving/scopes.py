@@ -16,14 +16,16 @@ time a rejection takes does not say how much of a guessed key was right.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache_files import check_writable
 from ..errors import ServerConfigError
 from ..lookup import DEFAULT_BUDGET, ContinuationIndex
-from ..prompt_cache import DEFAULT_ENTRIES, PromptCache
+from ..prompt_cache import DEFAULT_DISK_BYTES, DEFAULT_ENTRIES, PromptCache
 
 SHARE_MODES = ("key", "all", "none")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -61,6 +63,9 @@ class APIKeys:
             if k.strip() not in unique:
                 unique.append(k.strip())
         self._keys = [k.encode() for k in unique]
+        # a scope is named by a digest of its key, not its place in the list: reordering the
+        # keys file never hands one key's cached conversations (on disk too) to another
+        self._names = [scope_name(k) for k in unique]
 
     def __bool__(self) -> bool:
         return bool(self._keys)
@@ -85,8 +90,14 @@ class APIKeys:
             given = candidate.encode()
             for i, key in enumerate(self._keys):  # every key, whatever matched before
                 if hmac.compare_digest(given, key) and found is None:
-                    found = f"key-{i}"
+                    found = self._names[i]
         return found
+
+
+def scope_name(key: str) -> str:
+    """A key's scope: ``key-`` and 12 hex digits of its SHA-256 (shown in logs and used as a
+    folder name; the key itself is never written anywhere)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -102,7 +113,9 @@ class Scopes:
     """The scopes of a server, made on first use: ``share`` says whose requests share one."""
 
     def __init__(self, share: str = "key", index_budget: int = DEFAULT_BUDGET,
-                 prompt_cache_size: int = DEFAULT_ENTRIES, prompt_cache_bytes: int | None = None):
+                 prompt_cache_size: int = DEFAULT_ENTRIES, prompt_cache_bytes: int | None = None,
+                 prompt_cache_dir: str | Path | None = None,
+                 prompt_cache_dir_bytes: int = DEFAULT_DISK_BYTES):
         if share not in SHARE_MODES:
             raise ServerConfigError(f"--share {share!r}: one of {', '.join(SHARE_MODES)}")
         if isinstance(index_budget, bool) or not isinstance(index_budget, int) \
@@ -110,13 +123,19 @@ class Scopes:
             raise ServerConfigError(
                 f"--index-budget {index_budget!r}: must be a positive number of tokens")
         for flag, value in (("--prompt-cache-size", prompt_cache_size),
-                            ("--prompt-cache-bytes", prompt_cache_bytes)):
+                            ("--prompt-cache-bytes", prompt_cache_bytes),
+                            ("--prompt-cache-dir-bytes", prompt_cache_dir_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ServerConfigError(f"{flag} {value!r}: must be a positive integer")
         self.share, self.index_budget = share, index_budget
         # each scope's bound: a server with keys holds up to (keys x size) conversations
         self.prompt_cache_size, self.prompt_cache_bytes = prompt_cache_size, prompt_cache_bytes
+        # each scope's conversations on disk, in a folder of its own (``None``: memory only)
+        self.prompt_cache_dir = None if prompt_cache_dir is None else Path(prompt_cache_dir)
+        self.prompt_cache_dir_bytes = prompt_cache_dir_bytes
+        if self.prompt_cache_dir is not None and share != "none":
+            check_writable(self.prompt_cache_dir)  # at start, not at the first reply
         self._scopes: dict[str, Scope] = {}
         self._lock = threading.Lock()
 
@@ -128,14 +147,29 @@ class Scopes:
         with self._lock:
             scope = self._scopes.get(name)
             if scope is None:
+                folder = None if self.prompt_cache_dir is None else self.prompt_cache_dir / (
+                    "shared" if name in ("all", ANONYMOUS) else name)
                 scope = self._scopes[name] = Scope(
                     name, ContinuationIndex(self.index_budget),
-                    PromptCache(self.prompt_cache_size, self.prompt_cache_bytes))
+                    PromptCache(self.prompt_cache_size, self.prompt_cache_bytes, folder,
+                                self.prompt_cache_dir_bytes))
             return scope
 
     def scopes(self) -> list[Scope]:
         with self._lock:
             return list(self._scopes.values())
+
+    def on_rank(self, rank: int) -> None:
+        """A sharded target's rank keeps its own stage's caches: in a folder of its own, so
+        that no rank's byte budget counts (or evicts) another's files."""
+        if self.prompt_cache_dir is not None:
+            self.prompt_cache_dir = self.prompt_cache_dir / f"rank-{rank}"
+
+    def flush(self) -> None:
+        """Wait for the conversations being written to disk (at shutdown)."""
+        for scope in self.scopes():
+            if scope.prompt_cache is not None:
+                scope.prompt_cache.flush()
 
     def clear_prompt_caches(self) -> None:
         """Forget every scope's prefix cache (after a failed batch: its caches may be

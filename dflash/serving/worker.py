@@ -231,6 +231,8 @@ class Worker:
         self.jobs.put(None)
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout)
+        if self.scopes is not None:
+            self.scopes.flush()  # the last replies' files: the next start finds them
 
     @property
     def queue_depth(self) -> int:
