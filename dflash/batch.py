@@ -78,6 +78,7 @@ from .cost_model import cost_model
 from .distributed import model_ranks
 from .drafter import full_logits
 from .errors import GenerationConfigError
+from .grammar import Constrained
 from .lookup import Match
 from .policy import (
     Chain,
@@ -167,6 +168,8 @@ class _PassPlan:
     top_ids: np.ndarray | None = None
     width: int = 1
     use_look: list[bool] | None = None
+    # Per row: its proposals under its grammar (dflash.grammar; None: the row has none)
+    constrained: list[Constrained | None] | None = None
 
 
 @dataclass
@@ -530,6 +533,7 @@ class BatchGenerator:
         cap = min(self.block_size, max(s.remaining for s in self.rows))
         plan = self._plan(context, cap)
         proposals, qs = self._proposals(plan)
+        self._constrain(plan, proposals, qs)
         drafted = time.perf_counter()
         steps = self._verify(plan, proposals, qs, drafted)
         self.speculation.judge([(s.state.policy, s.conf) for s in self.rows], plan.use_look,
@@ -600,6 +604,24 @@ class BatchGenerator:
             qs.append(q)
         return proposals, qs
 
+    def _constrain(self, plan: _PassPlan, proposals: list[list[int]], qs: list) -> None:
+        """Rows with a grammar: their proposals cut where it rejects them and forced tokens
+        proposed for free, within the pass's width (drafted rows: within the drafter's block),
+        and each row's masks (:meth:`~dflash.grammar.GrammarState.constrain`). Rows without a
+        grammar are left as they are."""
+        if all(s.state.grammar is None for s in self.rows):
+            return
+        plan.constrained = [None] * len(self.rows)
+        for i, s in enumerate(self.rows):
+            grammar = s.state.grammar
+            if grammar is None:
+                continue
+            cap = len(proposals[i])
+            if plan.drafted_rows and not (proposals[i] and plan.use_look[i]):
+                cap = max(cap, min(plan.width - 1, s.remaining - 1, plan.drafted_rows - 1))
+            c = grammar.constrain(proposals[i], cap, qs[i], draw=s.request.sampler._draw)
+            proposals[i], qs[i], plan.constrained[i] = c.tokens, c.q, c
+
     def _verify(self, plan: _PassPlan, proposals: list[list[int]], qs: list,
                 drafted: float) -> list[StepResult]:
         """One target pass over every row's anchor and proposals (padding after them is never
@@ -614,8 +636,12 @@ class BatchGenerator:
         longest = max(len(s.state.fed) for s in self.rows)
         for i, s in enumerate(self.rows):
             props = proposals[i]
-            a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
-                                                s.state.history)
+            c = None if plan.constrained is None else plan.constrained[i]
+            a, bonus = s.request.sampler.accept(
+                logits[i, :len(props) + 1], props, qs[i], s.state.history,
+                allowed=None if c is None else s.state.grammar.allowed(c.bits))
+            if c is not None:
+                s.state.grammar.settle(c, a, bonus)
             context = len(s.state.fed)
             s.state.fed += [anchors[i]] + props[:a]
             s.state.commit_taps(taps[i:i + 1, :a + 1])

@@ -26,6 +26,12 @@ class GenerationConfigError(DFlashError):
     """A generation or sampling setting outside its valid range."""
 
 
+class GrammarError(DFlashError):
+    """A JSON schema, regex or Lark grammar that cannot constrain decoding: not valid, a keyword
+    the grammar engine does not enforce, or a tokenizer it cannot read (the message names the
+    field)."""
+
+
 class UnsupportedTargetError(DFlashError):
     """A target whose decoder layers cannot be tapped or whose caches cannot be rolled back."""
 

@@ -487,8 +487,10 @@ class BlockSampler:
         return mx.array(tokens), (qs if sampled else None)
 
     def accept(self, target_logits: mx.array, proposals: list[int], q: list[RowDist] | None,
-               history: list[int]) -> tuple[int, int]:
+               history: list[int], allowed: mx.array | None = None) -> tuple[int, int]:
         """``(a, bonus)``: the number of accepted proposals and the token emitted after them.
+        ``allowed`` ``(R, V)``: a grammar's mask per row (dflash.grammar), applied after the
+        processors (``-inf`` where it is False): the target's distribution restricted to it.
 
         ``argmax`` proposals (``q is None``): proposal ``i+1`` is accepted with the target's
         probability of it at row ``i`` (what "the target's sample equals it" has), and the first
@@ -496,6 +498,8 @@ class BlockSampler:
         with ``min(1, p/q)``, the first rejection drawn from ``norm(max(p - q, 0))``.
         """
         processed = self.process(target_logits, history, proposals)
+        if allowed is not None:
+            processed = mx.where(allowed, processed, -math.inf)
         n_prop = len(proposals)
         if self.greedy or self.cfg.sampler is not None:
             targets = self.sample(processed).tolist()

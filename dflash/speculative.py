@@ -16,6 +16,7 @@ from .cost_model import PassCosts, cost_model
 from .distributed import model_ranks, shard_count
 from .drafter import full_logits
 from .errors import GenerationConfigError
+from .grammar import FINISH_REASON, BoundGrammar, Constrained, Grammar, GrammarState, apply_mask
 from .logprobs import PromptScorer, TokenLogprob, check_logprobs, log_softmax, read_logprobs
 from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match, continuations
 from .policy import (
@@ -89,6 +90,9 @@ class DFlashResponse:
     # The passes chosen at this machine's calibrated costs (auto and tree policies; not batched)
     priced_ms: float | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
+    # finish_reason "grammar": why the grammar allowed no next token (dflash.grammar)
+    grammar_message: str | None = None
+    forced_tokens: int = 0  # tokens the grammar forced, proposed without the drafter
     # ``logprobs=N`` asked (dflash.logprobs): one entry per token of ``tokens``; and on the first
     # response, with ``prompt_logprobs``, one per prompt token (the first ``None``: nothing
     # predicts it).
@@ -218,6 +222,7 @@ def build_request(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = QUANTIZED_KV_START,
+    grammar: Grammar | BoundGrammar | None = None,
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
 ) -> DecodeRequest:
@@ -264,6 +269,7 @@ def build_request(
                 f"policy='tree' with kv_bits={kv_bits}: a quantized KV cache verifies chains "
                 "(policy 'auto', 'fixed' or 'confidence')")
     check_trees_possible(policy, tree_supported(parts, make_cache(parts, kv)))
+    bound = _bind_grammar(grammar, tokenizer, parts, policy)
 
     if isinstance(prompt, str):
         prompt_ids = encode_text(tokenizer, prompt)
@@ -285,8 +291,35 @@ def build_request(
         sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
         prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
         min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
-        lookup=bool(lookup), memory=memory, index=index, kv=kv,
+        lookup=bool(lookup), memory=memory, index=index, kv=kv, grammar=bound,
         logprobs=None if logprobs is None else int(logprobs), prompt_logprobs=prompt_logprobs)
+
+
+def _bind_grammar(grammar, tokenizer, parts: TargetParts, policy: str) -> BoundGrammar | None:
+    """``grammar`` checked against the tokenizer and the settings it cannot go with (typed errors
+    naming the setting: never an answer silently unconstrained)."""
+    if grammar is None:
+        return None
+    if not isinstance(grammar, (Grammar, BoundGrammar)):
+        raise GenerationConfigError(
+            f"grammar={type(grammar).__name__}: a dflash.grammar.Grammar (Grammar.json_schema, "
+            "Grammar.regex, Grammar.lark, Grammar.json_object) or None")
+    if policy == "tree":
+        # Each node of a tree would need the grammar state of its own path: chains only.
+        raise GenerationConfigError(
+            "policy='tree' with a grammar: constrained decoding verifies chains (policy 'auto', "
+            "'fixed' or 'confidence'; 'auto' then verifies no trees)")
+    if shard_count(parts) > 1:
+        raise GenerationConfigError(
+            "grammar: a sharded target does not decode with a grammar (every rank would have to "
+            "mask its rows alike); serve the model on one machine for structured outputs")
+    if isinstance(grammar, BoundGrammar):
+        if grammar.vocab_size != parts.vocab_size:
+            raise GenerationConfigError(
+                f"grammar: bound to {grammar.vocab_size} token ids, the target has "
+                f"{parts.vocab_size}")
+        return grammar
+    return grammar.bind(tokenizer, parts.vocab_size)
 
 
 def _signature() -> inspect.Signature:
@@ -322,6 +355,7 @@ class DecodeRequest:
     memory: PairMemory | None = None  # what earlier generations taught (None: the drafter's)
     index: ContinuationIndex | None = None  # earlier requests' text (dflash.lookup); told this one's
     kv: KVQuantization | None = None  # the target's quantized KV cache (None: float)
+    grammar: BoundGrammar | None = None  # what the answer must match (dflash.grammar)
     # Each emitted token's log-probability with this many alternatives (None: not computed);
     # ``prompt_logprobs``: the prompt's too (the same number of alternatives, 0 if None).
     logprobs: int | None = None
@@ -371,6 +405,7 @@ class DecodeState:
     lookup: ContextLookup = field(default_factory=ContextLookup)  # n-grams of ``history``
     costs: PassCosts | None = None  # told each pass's time (dflash.cost_model)
     trees: bool = False  # the target verifies trees (attention-only)
+    grammar: GrammarState | None = None  # the request's grammar, after the emitted tokens
     scorer: PromptScorer | None = None  # the prompt's log-probabilities (prompt_logprobs)
 
     def look(self, request: DecodeRequest, remaining: int, ahead: list[int] | None = None,
@@ -448,7 +483,9 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
     engine's cycle, on the same state), started from what the pair's earlier generations taught
     it where there is a memory (``request.memory``, else the drafter's, see
     :func:`~dflash.policy.memory.memory_of`). ``cache is None``: its caches come later."""
-    trees = tree_supported(parts, make_cache(parts) if cache is None else cache)
+    # A grammar verifies chains: every row's mask is the state after the rows before it.
+    trees = request.grammar is None and \
+        tree_supported(parts, make_cache(parts) if cache is None else cache)
     # A seeded sampled generation reproduces only if its verify shapes do (they decide how the
     # random stream is consumed): it starts from the raw confidence and prices its plans with the
     # stored calibration or the prior, which no timing moves (learnt prices differ from run to
@@ -472,6 +509,7 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
                        proposed_at=[0] * (request.block_size - 1),
                        costs=shared_cost if shared_cost is not None
                        else cost_model(parts, draft, request.priced_kv),
+                       grammar=None if request.grammar is None else request.grammar.start(),
                        trees=trees,
                        scorer=PromptScorer(request.logprobs or 0) if request.prompt_logprobs
                        else None)
@@ -560,6 +598,9 @@ def speculative_step(parts, draft, request: DecodeRequest, state: DecodeState, b
         plan = policy.after_draft(block.candidates, anchor, block.rows)
     match plan:
         case Plain(steps):
+            if state.grammar is not None and bs > 1 and state.grammar.forces():
+                # What the grammar forces next is a free chain: one pass verifies it.
+                return verify_chain(parts, draft, request, state, Chain(0), None, context)
             return plain_steps(parts, draft, request, state, steps)
         case Unverified():  # not worth verifying: the first step of the next plain stretch
             policy.observe(Outcome(plan, log_conf=block.log_conf, draft_rows=block.rows,
@@ -617,12 +658,20 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
     """One target pass over ``[anchor, proposals]``; accept a prefix; roll back the rest."""
     anchor = state.history[-1]
     proposals, q = _proposals(parts, draft, request, state, plan, block)
+    constrained = None
+    if state.grammar is not None:
+        constrained = constrain_chain(request, state, plan, block, proposals, q)
+        proposals, q = constrained.tokens, constrained.q
     drafted = time.perf_counter()
     trace = VerifyTrace()
     verified = len(proposals) + 1
     logits, taps = forward(parts, mx.array([anchor] + proposals)[None], state.cache,
                            draft.target_layer_ids, trace)
-    a, bonus = request.sampler.accept(logits[0], proposals, q, state.history)
+    a, bonus = request.sampler.accept(
+        logits[0], proposals, q, state.history,
+        allowed=None if constrained is None else state.grammar.allowed(constrained.bits))
+    if constrained is not None:
+        state.grammar.settle(constrained, a, bonus)
     state.timed("verify", verified, context, time.perf_counter() - drafted)
     emitted = proposals[:a] + [bonus]
     # Rows 0..a predicted the emitted tokens: read before the roll-back replaces the pass.
@@ -630,12 +679,33 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
     rollback(state.cache, trace, keep=a + 1, verified=verified)
     state.fed += [anchor] + proposals[:a]
     state.commit_taps(taps[:, : a + 1])
-    state.policy.observe(Outcome(plan, a, log_conf=None if block is None else block.log_conf,
+    # (Forced tokens may run past the plan's rows: its calibration learns its own rows only.)
+    planned = len(plan.tokens) if isinstance(plan, Continuation) else plan.rows
+    state.policy.observe(Outcome(plan, min(a, planned),
+                                 log_conf=None if block is None else block.log_conf,
                                  draft_rows=0 if block is None else block.rows, context=context))
     # No host sync: the roll-back replay runs while Python emits this cycle's tokens.
     mx.async_eval(state.pending, [c.state for c in state.cache])
     return StepResult(emitted, a, verified - 1, drafted, False,
                       lookup=isinstance(plan, Continuation), logprobs=scores)
+
+
+def constrain_chain(request: DecodeRequest, state: DecodeState, plan: Plan,
+                    block: DraftedBlock | None, proposals: list[int], q) -> Constrained:
+    """A chain's proposals under the sequence's grammar (:meth:`GrammarState.constrain`): cut
+    where it rejects them, a rejected argmax replaced by the drafter's best allowed candidate,
+    forced tokens proposed for free up to the drafted block's rows."""
+    if isinstance(plan, Continuation):
+        cap, alternatives = len(proposals), None
+    elif block is None:  # no drafter pass: the forced tokens alone, within the block
+        remaining = request.max_tokens - (len(state.history) - len(request.prompt_ids))
+        cap, alternatives = min(request.block_size, remaining) - 1, None
+    else:
+        cap = max(len(proposals), block.rows - 1)
+        alternatives = None
+        if q is None and block.candidates is not None:  # deterministic proposals only
+            alternatives = block.candidates[1][:len(proposals)]
+    return state.grammar.constrain(proposals, cap, q, alternatives, draw=request.sampler._draw)
 
 
 def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int) -> StepResult:
@@ -646,7 +716,10 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
     overlaps the next pass. Stops early at a stop id (a queued pass then fed it: ``fed`` says so).
     """
     sampler, tap_ids, policy = request.sampler, draft.target_layer_ids, state.policy
-    pipelined = sampler.pipelines_plain_steps
+    grammar = state.grammar
+    # A grammar reads each token before the next pass is queued: a token it then forces more
+    # after ends the stretch before that pass, and one verify pass takes the forced tokens.
+    pipelined = sampler.pipelines_plain_steps and grammar is None
     started, context = time.perf_counter(), len(state.fed)
 
     def step(token) -> tuple[mx.array, mx.array]:
@@ -663,6 +736,12 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
         if request.logprobs is not None:
             rows.append(logits)
         processed = sampler.process(logits, state.history + out, None)
+        if grammar is not None:
+            # Computed while the pass queued on the last token runs (pipelined steps).
+            allowed = grammar.step_mask()
+            if allowed is None:  # no token can follow: this step's token is dropped, stop here
+                more, n = False, i + 1
+            processed = apply_mask(processed, allowed)
         if pipelined:
             lazy = mx.argmax(processed, axis=-1)
             if more:  # queue the next pass on the lazy token, then read it
@@ -671,6 +750,8 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
             token = int(lazy.item())
         else:
             token = int(sampler.sample(processed).item())
+        if grammar is not None and grammar.dead is None:
+            grammar.consume(token)
         state.fed.append(fed)
         state.commit_taps(taps)
         policy.observe(Outcome(Plain(1), context=len(state.fed)))  # priced at its own context
@@ -679,6 +760,10 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
                 state.look(request, MAX_CHAIN, out)):
             # The context continues itself here: end the stretch and verify that instead (a
             # pass already queued on this token is taken first, as the stretch's last step).
+            n = i + 2 if pipelined else i + 1
+            more = i + 1 < n
+        if more and grammar is not None and grammar.dead is None and grammar.forces():
+            # The grammar forces what follows: end the stretch and verify that for free.
             n = i + 2 if pipelined else i + 1
             more = i + 1 < n
         if token in request.stop_ids or not more:
@@ -693,6 +778,8 @@ def plain_steps(parts, draft, request: DecodeRequest, state: DecodeState, n: int
             break
         if not pipelined:
             next_logits, next_taps = step(token)
+            if grammar is not None:  # the pass runs while the host computes its mask
+                mx.async_eval(next_logits, next_taps)
         fed, logits, taps = token, next_logits, next_taps
         i += 1
     policy.give_back(stretch - len(out))
@@ -814,7 +901,13 @@ def _decode_on(parts, draft, tokenizer, request: DecodeRequest, state: DecodeSta
 def first_token(request: DecodeRequest, state: DecodeState, last_logits: mx.array) -> int:
     """The token after the prompt, from the prefill's last logits."""
     sampler = request.sampler
-    return int(sampler.sample(sampler.process(last_logits, state.history, [])).item())
+    processed = sampler.process(last_logits, state.history, [])
+    if state.grammar is not None:
+        processed = apply_mask(processed, state.grammar.step_mask())
+    token = int(sampler.sample(processed).item())
+    if state.grammar is not None and state.grammar.dead is None:
+        state.grammar.consume(token)
+    return token
 
 
 def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, detok: Detokenizer,
@@ -824,6 +917,13 @@ def emit(request: DecodeRequest, state: DecodeState, stats: DFlashResponse, deto
     stop string; the history and the running statistics updated (``tic``: decoding's start).
     ``logprobs``: the tokens' log-probabilities, cut with them."""
     finish = None
+    grammar = state.grammar
+    if grammar is not None and grammar.drop_last:
+        # The last token came from a row the grammar allowed nothing in: not the grammar's.
+        emitted, finish, grammar.drop_last = emitted[:-1], FINISH_REASON, False
+        stats.grammar_message = grammar.dead
+    if grammar is not None:
+        stats.forced_tokens = grammar.forced_total
     for j, t in enumerate(emitted):
         if t in request.stop_ids:
             emitted, finish = emitted[:j], "stop"
