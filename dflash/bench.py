@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .errors import install_hint
 from .files import write_atomic
 from .stats import generation_stats
 
@@ -697,7 +698,7 @@ def write_outputs(result: dict, out: str | Path, log: Callable[[str], None] | No
     try:
         files.update(plot(result, out))
     except ImportError:
-        say("matplotlib is not installed: no plots (pip install 'dflash[bench]')")
+        say(f"matplotlib is not installed: no plots ({install_hint('bench')})")
     say("wrote " + ", ".join(str(p) for p in files.values()))
     return files
 

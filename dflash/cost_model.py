@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from .console import log, say_once
-from .errors import MissingDependencyError
+from .errors import missing_extra
 from .files import write_atomic
 
 FORMAT = "dflash-cost/2"
@@ -765,9 +765,8 @@ def write_calibration(model: CostModel, out: str | Path) -> dict[str, Path]:
     try:
         import matplotlib
     except ImportError:
-        raise MissingDependencyError(
-            f"the plot needs matplotlib (pip install 'dflash[bench]'); wrote {files['json']} "
-            "only") from None
+        raise missing_extra("bench", f"wrote {files['json']} only; the plot needs "
+                            "matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -62,7 +62,21 @@ class TrainConfigError(DFlashError):
 
 
 class MissingDependencyError(DFlashError):
-    """An optional extra (``dflash[serve]``, ``dflash[bench]``) that is not installed."""
+    """An optional extra (``serve``, ``bench``) that is not installed; made by :func:`missing_extra`."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra``: under this distribution's name, since
+    ``pip install 'dflash[serve]'`` would install z-lab's package of that name instead."""
+    from . import DISTRIBUTION
+
+    return f"pip install '{DISTRIBUTION}[{extra}]'"
+
+
+def missing_extra(extra: str, needs: str) -> MissingDependencyError:
+    """The error for a missing optional extra: ``needs`` says what is missing and what for, the
+    message ends with the command that installs it."""
+    return MissingDependencyError(f"{needs}: {install_hint(extra)}")
 
 
 class PromptCacheDirError(DFlashError):
