@@ -367,6 +367,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise CLIError("the prompt is empty", code=2)
+    grammar = grammar_from_args(args)  # a missing file or bad JSON: before the models load
     pair = load_pair_for(args)
     ids = encode(pair, {"prompt": prompt}, args)
     check_context(pair, len(ids))
@@ -375,7 +376,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     responses = stream_generate(
         pair.model, pair.draft, pair.tokenizer, ids,
         prompt_progress_callback=prefill_progress(len(ids), args.prefill_step_size),
-        **agreed(generation_kwargs(args)))
+        grammar=grammar, **agreed(generation_kwargs(args)))
     text, tokens, last = [], [], None
     for r in responses:
         text.append(r.text)
@@ -399,6 +400,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(stats_line(stats), file=sys.stderr, flush=True)
     return 0
+
+
+def add_grammar_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (docs/structured-outputs.md)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="the answer is a JSON document valid under the JSON schema in FILE")
+    one.add_argument("--json-object", action="store_true",
+                     help="the answer is a JSON object (any keys)")
+    one.add_argument("--regex", default=None, metavar="R",
+                     help="the answer matches the regular expression R (Rust regex syntax)")
+    one.add_argument("--grammar", default=None, metavar="FILE",
+                     help="the answer derives from the Lark grammar in FILE (llguidance's "
+                          "dialect; rule `start`)")
+
+
+def grammar_from_args(args: argparse.Namespace):
+    """The :class:`~dflash.grammar.Grammar` the options ask for (``None``: unconstrained)."""
+    from .grammar import Grammar
+
+    def read(option: str, path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise CLIError(f"{option} {path}: {e.strerror or e}") from None
+
+    if getattr(args, "json_schema", None) is not None:
+        return Grammar.json_schema(read("--json-schema", args.json_schema),
+                                   field=f"--json-schema {args.json_schema}")
+    if getattr(args, "json_object", False):
+        return Grammar.json_object(field="--json-object")
+    if getattr(args, "regex", None) is not None:
+        return Grammar.regex(args.regex, field="--regex")
+    if getattr(args, "grammar", None) is not None:
+        return Grammar.lark(read("--grammar", args.grammar), field=f"--grammar {args.grammar}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -838,6 +875,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_sampling_args(p)
     add_kv_args(p)
     add_draft_window_arg(p)
+    add_grammar_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, stats) instead of streaming")
     p.add_argument("--no-speedup-estimate", action="store_true",

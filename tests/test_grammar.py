@@ -307,3 +307,53 @@ def test_tiny_grammar_holds_on_every_path(tiny, max_batch):
     for r in out:
         text = "".join("abcdefg"[t] if t < 7 else "$" for t in r.tokens)
         assert pattern.fullmatch(text.rstrip("$")), text
+
+
+# -- dflash generate --json-schema / --regex ------------------------------------------------------
+
+
+def _run_cli(*args, timeout=300):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    env.pop("DFLASH_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "dflash", *map(str, args)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, encoding="utf-8", env=env, timeout=timeout)
+
+
+def test_generate_grammar_options_fail_in_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for args, words in [(["--json-schema", tmp_path / "missing.json"], "missing.json"),
+                        (["--json-schema", bad], "not JSON"),
+                        (["--regex", "a", "--json-object"], "not allowed with")]:
+        p = _run_cli("generate", "--prompt", "x", *args)
+        assert p.returncode in (1, 2) and "Traceback" not in p.stderr, p.stderr
+        assert words in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_generate_json_schema_and_regex_match_the_library(tiny_pair, loaded_pair, tmp_path):
+    """The CLI's answer is the library's with the same grammar (tiny llama pair)."""
+    from dflash.prompts import encode_prompt
+
+    target, draft_path = tiny_pair("llama")
+    model, tokenizer, draft = loaded_pair("llama")
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    ids = encode_prompt(tokenizer, {"prompt": "Who?"})
+    for option, value, grammar in [("--json-schema", schema, Grammar.json_schema(PERSON)),
+                                   ("--regex", "[a-z]{3,9}!", Grammar.regex("[a-z]{3,9}!"))]:
+        expected = generate(model, draft, tokenizer, ids, max_tokens=40, grammar=grammar)
+        p = _run_cli("generate", "--model", target, "--draft", draft_path, "--prompt", "Who?",
+                     "--max-tokens", 40, "--json", "--no-speedup-estimate", option, value)
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        assert out["tokens"] == expected.tokens and out["text"] == expected.text
+    p = _run_cli("generate", "--model", target, "--draft", draft_path, "--prompt", "Who?",
+                 "--regex", "[a-(")
+    assert p.returncode == 1 and "--regex" in p.stderr and "Traceback" not in p.stderr
