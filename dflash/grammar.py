@@ -34,6 +34,11 @@ from .errors import GrammarError, MissingDependencyError
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 FINISH_REASON = "grammar"  # a grammar with no valid continuation ended the answer
+# llguidance's JSON options per whitespace mode (Grammar.json_schema).
+WHITESPACE: dict[str, dict | None] = {
+    "compact": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "flexible": None,
+}
 
 
 def _llguidance():
@@ -59,8 +64,18 @@ class Grammar:
     spec: str  # llguidance's grammar
 
     @classmethod
-    def json_schema(cls, schema: dict | str, field: str = "json_schema") -> Grammar:
-        """Answers that are JSON documents valid under ``schema`` (a dict, or its JSON text)."""
+    def json_schema(cls, schema: dict | str, field: str = "json_schema",
+                    whitespace: str = "compact") -> Grammar:
+        """Answers that are JSON documents valid under ``schema`` (a dict, or its JSON text).
+
+        ``whitespace="compact"`` (default): one line, ``", "`` between items and ``": "`` after
+        keys (Python's ``json.dumps`` layout), so that the grammar forces every separator and
+        the quotes around each key -- free proposals -- and the answer cannot wander in
+        whitespace; ``"flexible"``: any JSON whitespace between tokens (llguidance's default).
+        A schema's own ``"x-guidance"`` options override these."""
+        if whitespace not in WHITESPACE:
+            raise GrammarError(f"{field}: whitespace={whitespace!r}: one of "
+                               f"{', '.join(WHITESPACE)}")
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -72,15 +87,15 @@ class Grammar:
         llg = _llguidance()
         text = json.dumps(schema)
         try:
-            spec = llg.LLMatcher.grammar_from_json_schema(text)
+            spec = llg.LLMatcher.grammar_from_json_schema(text, defaults=WHITESPACE[whitespace])
         except ValueError as e:
             raise GrammarError(f"{field}: {e}") from e
         return cls("json_schema", text, field, spec)
 
     @classmethod
-    def json_object(cls, field: str = "response_format") -> Grammar:
+    def json_object(cls, field: str = "response_format", whitespace: str = "compact") -> Grammar:
         """Any JSON object (OpenAI's ``{"type": "json_object"}``)."""
-        grammar = cls.json_schema({"type": "object"}, field)
+        grammar = cls.json_schema({"type": "object"}, field, whitespace)
         return cls("json_object", grammar.source, field, grammar.spec)
 
     @classmethod

@@ -624,10 +624,18 @@ def draft_block(parts, draft, request: DecodeRequest, state: DecodeState,
     # full-vocabulary row of -inf to scatter into, gather from and argmax over.
     scores, columns = draft.block_scores(parts, state.history[-1], rows, state.dcache)
     candidates = None
-    if state.policy.reads_candidates or _proposes_argmax(request, draft):
-        candidates = draft_candidates(scores, columns, state.policy.candidates)
+    if state.policy.reads_candidates or _proposes_argmax(request, draft) \
+            or state.grammar is not None:
+        # A grammar replaces a rejected argmax by the best candidate it allows: more of them.
+        k = state.policy.candidates if state.grammar is None else \
+            max(state.policy.candidates, GRAMMAR_CANDIDATES)
+        candidates = draft_candidates(scores, columns, k)
         state.timed("draft", rows, len(state.fed), time.perf_counter() - started)
     return DraftedBlock(rows, scores, columns, candidates)
+
+
+# Drafter candidates per row a grammar chooses from where it rejects the drafter's argmax.
+GRAMMAR_CANDIDATES = 16
 
 
 def _proposes_argmax(request: DecodeRequest, draft) -> bool:
