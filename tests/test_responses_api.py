@@ -168,7 +168,8 @@ def test_requests_are_read_like_chats_and_bad_fields_named(tokenizer, served):
                          ({"conversation": "conv_1"}, "conversation"),
                          ({"store": "yes"}, "store"),
                          ({"instructions": ["x"]}, "instructions"),
-                         ({"top_logprobs": 3}, "top_logprobs")]:
+                         ({"top_logprobs": 21}, "top_logprobs"),
+                         ({"include": "message.output_text.logprobs"}, "include")]:
         e = rejected(parse_responses_request, {**base, **extra}, tokenizer, served,
                      ResponseStore())
         assert e.param == param, (extra, e.message)

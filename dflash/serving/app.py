@@ -22,6 +22,7 @@ FastAPI, uvicorn and prometheus_client are imported only when a server is built
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import os
 import signal
 import sys
@@ -55,6 +56,7 @@ from .anthropic_format import (
     message_response,
     parse_messages_request,
 )
+from .logprobs_format import LogprobFormat
 from .openai_format import StreamFormat, full_response, model_card
 from .reasoning import ThinkSplitter, think_tags
 from .requests import CompletionRequest, ServedModel, config_error, parse_request, read_json
@@ -185,16 +187,23 @@ class Server:
         return AnswerSplitter(think, ToolCallSplitter(req.tool_format, req.tools.tools),
                               req.answer_prefix)
 
+    def logprob_format(self, req: CompletionRequest) -> LogprobFormat | None:
+        """What writes ``req``'s log-probabilities (``None``: not asked)."""
+        top = req.settings.logprobs
+        return None if top is None else LogprobFormat(self.tokenizer, top)
+
     def stream_format(self, req: CompletionRequest):
         """The SSE writer of ``req``'s endpoint."""
         if req.endpoint == "responses":
-            return ResponseStream(req, self.model_name, self.splitter(req), self.tokenizer)
+            return ResponseStream(req, self.model_name, self.splitter(req), self.tokenizer,
+                                  self.logprob_format(req))
         if req.endpoint == "messages":
             return MessageStream(self.model_name, self.splitter(req), self.tokenizer,
                                  req.settings.stop)
         return StreamFormat(req.endpoint, self.model_name,
                             self.splitter(req) if req.endpoint == "chat" else None,
-                            include_usage=req.include_usage)
+                            include_usage=req.include_usage, logprobs=self.logprob_format(req),
+                            echo=(req.prompt_ids, req.prompt_text) if req.echo_prompt else None)
 
     def response(self, req: CompletionRequest, text: str, tokens: list[int], last,
                  job: Job) -> dict:
@@ -202,17 +211,20 @@ class Server:
         n_prompt, stats = len(req.prompt_ids), self.stats(last, job)
         if req.endpoint == "responses":
             return response_body(req, self.model_name, text, last, stats, self.splitter(req),
-                                 self.tokenizer)
+                                 self.tokenizer, self.logprob_format(req))
         if req.endpoint == "messages":
             stop = matched_stop(self.tokenizer, tokens, req.settings.stop)
             return message_response(self.model_name, n_prompt, text, last, stats,
                                     self.splitter(req), stop)
         return full_response(req.endpoint, self.model_name, n_prompt, text, last, stats,
-                             self.splitter(req) if req.endpoint == "chat" else None)
+                             self.splitter(req) if req.endpoint == "chat" else None,
+                             self.logprob_format(req),
+                             (req.prompt_ids, req.prompt_text) if req.echo_prompt else None)
 
     async def collect(self, request, req: CompletionRequest):
         """Run to the end; a client that leaves (even while queued) cancels the job."""
         text, tokens, last, job = [], [], None, None
+        scores, prompt_scores = [], None
         gen = self.generate(req)
         watcher = asyncio.ensure_future(_watch_disconnect(request))
         try:
@@ -230,10 +242,17 @@ class Server:
                     break
                 text.append(r.text)
                 tokens += r.tokens
+                if r.logprobs is not None:
+                    scores += r.logprobs
+                prompt_scores = prompt_scores or r.prompt_logprobs
                 last = r
         finally:
             watcher.cancel()
             await gen.aclose()
+        if last is not None and req.settings.logprobs is not None:
+            # The last response carries the whole answer's log-probabilities (each response has
+            # its own cycle's), and the prompt's (the first response's).
+            last = dataclasses.replace(last, logprobs=scores, prompt_logprobs=prompt_scores)
         return "".join(text), tokens, last, job
 
     async def events(self, req: CompletionRequest) -> AsyncIterator[str]:

@@ -14,6 +14,7 @@ import time
 import uuid
 
 from .. import __version__
+from .logprobs_format import LogprobFormat, join_legacy
 from .tools import AnswerSplitter
 
 SYSTEM_FINGERPRINT = f"dflash-{__version__}"
@@ -54,16 +55,25 @@ def model_card(model_id: str, created: int, root: str, extra: dict) -> dict:
 
 
 def full_response(endpoint: str, model: str, n_prompt: int, text: str, last, stats: dict,
-                  splitter: AnswerSplitter | None = None) -> dict:
-    """The body of a non-streamed chat completion (``splitter`` reads the answer) or completion."""
+                  splitter: AnswerSplitter | None = None, logprobs: LogprobFormat | None = None,
+                  echo: tuple[list[int], str] | None = None) -> dict:
+    """The body of a non-streamed chat completion (``splitter`` reads the answer) or completion.
+    ``logprobs``: the answer's log-probabilities (``last.logprobs``: every token's) written;
+    ``echo``: a completion's prompt ids and text, repeated before its answer."""
     created = int(time.time())
     tail = {"usage": usage(n_prompt, last), "system_fingerprint": SYSTEM_FINGERPRINT,
             "dflash": stats}
     if endpoint == "completions":
+        scores = None
+        if logprobs is not None:
+            parts = []
+            if echo is not None:
+                parts.append(logprobs.legacy_prompt(echo[0], last.prompt_logprobs or [], echo[1]))
+            scores = join_legacy(*parts, logprobs.legacy(last.logprobs or []))
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": last.finish_reason}], **tail}
+                "choices": [{"index": 0, "text": (echo[1] if echo else "") + text,
+                             "logprobs": scores, "finish_reason": last.finish_reason}], **tail}
     splitter = splitter or AnswerSplitter()
     reasoning, content, calls = splitter.feed(text, final=True)
     message = {"role": "assistant", "content": content or (None if calls else "")}
@@ -75,7 +85,9 @@ def full_response(endpoint: str, model: str, n_prompt: int, text: str, last, sta
                                  for c in calls]
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": None if logprobs is None else
+                         logprobs.chat(last.logprobs or []),
                          "finish_reason": splitter.finish_reason(last.finish_reason)}], **tail}
 
 
@@ -83,8 +95,13 @@ class StreamFormat:
     """The SSE lines of one streamed response: one id and creation time for all its chunks."""
 
     def __init__(self, endpoint: str, model: str, splitter: AnswerSplitter | None = None,
-                 include_usage: bool = False):
+                 include_usage: bool = False, logprobs: LogprobFormat | None = None,
+                 echo: tuple[list[int], str] | None = None):
         self.chat = endpoint == "chat"
+        # Log-probabilities asked: the entries of tokens not yet sent go with the next chunk (a
+        # chat chunk waits for text the splitter lets out); ``echo``: the prompt goes first.
+        self.logprobs, self.echo = logprobs, echo
+        self.pending: list = []
         self.include_usage = include_usage
         self.model = model
         self.splitter = splitter or AnswerSplitter()
@@ -99,7 +116,13 @@ class StreamFormat:
                     "choices": [choice], **extra})
 
     def opening(self, n_prompt: int = 0, first=None) -> str:
-        """The first event, sent once the generation has started (``""``: none for completions)."""
+        """The first event, sent once the generation has started (``""``: none for completions,
+        unless they echo the prompt: its text, and its log-probabilities from ``first``)."""
+        if not self.chat and self.echo is not None:
+            scores = None if self.logprobs is None else self.logprobs.legacy_prompt(
+                self.echo[0], getattr(first, "prompt_logprobs", None) or [], self.echo[1])
+            return self._chunk({"index": 0, "text": self.echo[1], "logprobs": scores,
+                                "finish_reason": None})
         if not self.chat:
             return ""
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -107,24 +130,34 @@ class StreamFormat:
 
     def add(self, r) -> list[str]:
         """The events for one step (``DFlashResponse``) of the generation."""
+        if self.logprobs is not None:
+            self.pending += r.logprobs or []
         return self.delta(r.text, r.finish_reason is not None)
+
+    def _scores(self):
+        """The pending tokens' log-probabilities in this endpoint's shape (``None``: not asked,
+        or, in chat, none pending)."""
+        if self.logprobs is None or (self.chat and not self.pending):
+            return None
+        pending, self.pending = self.pending, []
+        return self.logprobs.chat(pending) if self.chat else self.logprobs.legacy(pending)
 
     def delta(self, text: str, final: bool) -> list[str]:
         """The events for newly generated ``text`` (none while a split tag is undecided)."""
         if not self.chat:
-            return [self._chunk({"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": None})] if text else []
+            return [self._chunk({"index": 0, "text": text, "logprobs": self._scores(),
+                                 "finish_reason": None})] if text or self.pending else []
         reasoning, content, calls = self.splitter.feed(text, final)
         d = {}
         if reasoning:
             d["reasoning_content"] = reasoning
         if content:
             d["content"] = content
-        events = [self._chunk({"index": 0, "delta": d, "logprobs": None,
+        events = [self._chunk({"index": 0, "delta": d, "logprobs": self._scores(),
                                "finish_reason": None})] if d else []
         for entry in tool_call_deltas(calls, self.calls):
             events.append(self._chunk({"index": 0, "delta": {"tool_calls": [entry]},
-                                       "logprobs": None, "finish_reason": None}))
+                                       "logprobs": self._scores(), "finish_reason": None}))
         self.calls += len(calls)
         return events
 
@@ -134,7 +167,8 @@ class StreamFormat:
 
     def closing(self, n_prompt: int, last, stats: dict) -> list[str]:
         """The final chunk (finish reason, statistics), the usage chunk if asked, ``[DONE]``."""
-        final = {"index": 0, "logprobs": None,
+        # (Tokens whose text never came out: a stop string's, a stop token's none.)
+        final = {"index": 0, "logprobs": self._scores() if self.pending else None,
                  "finish_reason": self.splitter.finish_reason(last.finish_reason)}
         if self.chat:
             final["delta"] = {}

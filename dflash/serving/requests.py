@@ -25,6 +25,7 @@ from ..errors import APIError, GenerationConfigError
 from ..policy import check_policy
 from ..prompts import encode_prompt, encode_text
 from ..sampling import SamplingConfig, check_decode_settings
+from .logprobs_format import parse_logprobs
 from .reasoning import prompt_opens_reasoning
 from .tools import ToolFormat, ToolSpec, history_calls, parse_tools, render_messages, tool_format
 
@@ -34,9 +35,7 @@ API_LIMITS = {"temperature": (None, 2.0), "presence_penalty": (-2.0, 2.0),
               "frequency_penalty": (-2.0, 2.0)}
 MAX_STOP_STRINGS = 16
 # OpenAI parameters this server does not implement: rejected rather than silently ignored.
-UNSUPPORTED = {"logprobs": lambda v: bool(v), "top_logprobs": lambda v: bool(v),
-               "echo": lambda v: v is True, "best_of": lambda v: v not in (None, 1),
-               "suffix": lambda v: bool(v)}
+UNSUPPORTED = {"best_of": lambda v: v not in (None, 1), "suffix": lambda v: bool(v)}
 # The server's own settings, accepted on every endpoint (``extra_body`` in the OpenAI client).
 EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "proposal", "block_size", "policy",
                         "tree_budget", "min_confidence", "lookup"})
@@ -47,8 +46,9 @@ SETTINGS_FIELDS = frozenset({
     *UNSUPPORTED}) | EXTENSIONS
 OPENAI_FIELDS = {
     "chat": SETTINGS_FIELDS | {"messages", "tools", "tool_choice", "chat_template_kwargs",
-                               "enable_thinking", "reasoning_effort"},
-    "completions": SETTINGS_FIELDS | {"prompt"}}
+                               "enable_thinking", "reasoning_effort", "logprobs", "top_logprobs",
+                               "echo"},  # echo: read to be refused (chat has none)
+    "completions": SETTINGS_FIELDS | {"prompt", "logprobs", "echo"}}
 # About accounting, storage or routing on OpenAI's side: nothing to change here, nothing to log.
 OPENAI_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
                             "safety_identifier", "parallel_tool_calls"})
@@ -83,6 +83,10 @@ class GenerationSettings:
     policy: str | None = None
     tree_budget: int | None = None
     lookup: bool = True  # False: the auto policy verifies the drafter's proposals only
+    # Log-probabilities (dflash.logprobs): alternatives per token (None: none computed), and the
+    # prompt's own (completions' echo with logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of ``dflash.speculative.stream_generate``."""
@@ -95,7 +99,10 @@ class GenerationSettings:
             seed=s.seed, logit_bias=s.logit_bias, proposal=s.proposal,
             max_tokens=self.max_tokens, stop=self.stop, block_size=self.block_size,
             min_confidence=self.min_confidence, policy=self.policy, tree_budget=self.tree_budget,
-            lookup=self.lookup)
+            lookup=self.lookup,
+            # Only when asked: a request without them carries the engine's defaults unchanged.
+            **({} if self.logprobs is None else {"logprobs": self.logprobs}),
+            **({"prompt_logprobs": True} if self.prompt_logprobs else {}))
 
 
 @dataclass
@@ -111,6 +118,8 @@ class CompletionRequest:
     tools: ToolSpec | None = None  # tools the answer may call (parsed out of it unless "none")
     tool_format: ToolFormat | None = None
     answer_prefix: str = ""  # the start of the answer that the prompt holds (tool_choice)
+    echo_prompt: bool = False  # completions' echo: the answer's text starts with the prompt's
+    prompt_text: str = ""  # the prompt as the client sent it (what echo repeats)
 
     @property
     def parses_tools(self) -> bool:
@@ -176,15 +185,28 @@ def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> 
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+    top, echo = parse_logprobs(endpoint, body)
     if endpoint == "chat":
         spec = parse_checked_tools(body.get("tools"), body.get("tool_choice"))
         req = chat_request(chat_messages(body), spec, template_kwargs(body), tokenizer, served)
         req.settings = generation_settings(body, served, len(req.prompt_ids), "messages")
+        req.settings.logprobs = top
         req.stream, req.include_usage = stream, include_usage
         return req
     ids = completion_prompt_ids(body, tokenizer, served.vocab_size)
-    settings = generation_settings(body, served, len(ids), "prompt")
-    return CompletionRequest(endpoint, ids, settings, stream=stream, include_usage=include_usage)
+    # echo with max_tokens 0 scores the prompt alone (how harnesses score a text's likelihood).
+    score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    settings = generation_settings({**body, "max_tokens": 1} if score_only else body, served,
+                                   len(ids), "prompt")
+    if score_only:
+        settings.max_tokens = 0
+    settings.logprobs, settings.prompt_logprobs = top, echo and top is not None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids) if echo else ""
+    return CompletionRequest(endpoint, ids, settings, stream=stream, include_usage=include_usage,
+                             echo_prompt=echo, prompt_text=text)
 
 
 def chat_request(messages: list[dict], spec: ToolSpec | None, kwargs: dict, tokenizer,

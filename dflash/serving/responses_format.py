@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, fields
 from ..console import say_once
 from ..errors import APIError
 from .anthropic_format import EXTENSIONS, event
+from .logprobs_format import LogprobFormat, parse_logprobs
 from .openai_format import usage as chat_usage
 from .requests import (
     CompletionRequest,
@@ -299,8 +300,7 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
             and len(req.prompt_ids) < served.max_context:
         limit = served.max_context - len(req.prompt_ids)  # OpenAI's: to the end of the context
     settings_body = {"max_tokens": limit,
-                     **{k: body[k] for k in ("temperature", "top_p", "top_logprobs",
-                                             *EXTENSIONS) if k in body}}
+                     **{k: body[k] for k in ("temperature", "top_p", *EXTENSIONS) if k in body}}
     try:
         req.settings = generation_settings(settings_body, served, len(req.prompt_ids), "input")
     except APIError as e:
@@ -308,6 +308,7 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
             raise
         raise APIError(e.status, e.message.replace("max_tokens", "max_output_tokens"),
                        param="max_output_tokens", code=e.code) from None
+    req.settings.logprobs = parse_logprobs("responses", body)[0]
     echo = {"instructions": instructions, "tools": tools_echo,
             "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -338,11 +339,12 @@ def response_usage(n_prompt: int, last, reasoning_tokens: int = 0) -> dict:
             "total_tokens": n_prompt + last.generation_tokens, "dflash": chat["dflash"]}
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+def message_item(text: str, status: str = "completed", item_id: str | None = None,
+                 logprobs: list[dict] | None = None) -> dict:
     return {"id": item_id or _new_id("msg"), "type": "message", "role": "assistant",
             "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
+                         "logprobs": logprobs or []}]}
 
 
 def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
@@ -394,13 +396,16 @@ def _reasoning_tokens(tokenizer, text: str) -> int:
 
 
 def response_body(req: ResponsesRequest, model: str, text: str, last, stats: dict,
-                  splitter: AnswerSplitter, tokenizer) -> dict:
-    """The body of a non-streamed ``/v1/responses`` answer (kept if ``store``)."""
+                  splitter: AnswerSplitter, tokenizer,
+                  logprobs: LogprobFormat | None = None) -> dict:
+    """The body of a non-streamed ``/v1/responses`` answer (kept if ``store``); ``logprobs``:
+    every token's log-probability (``last.logprobs``) on the message's ``output_text``."""
     reasoning, content, calls = splitter.feed(text, final=True)
     status = _status(last.finish_reason)
     output = [reasoning_item(reasoning, status)] if reasoning else []
     if content or not calls:
-        output.append(message_item(content, status))
+        output.append(message_item(content, status, logprobs=None if logprobs is None
+                                   else logprobs.content(last.logprobs or [])))
     items = [call_item(c) for c in calls]
     output += items
     response_id = _new_id("resp")
@@ -416,8 +421,14 @@ class ResponseStream:
     PARTS = {"message": ("output_text", "response.output_text"),
              "reasoning": ("reasoning_text", "response.reasoning_text")}
 
-    def __init__(self, req: ResponsesRequest, model: str, splitter: AnswerSplitter, tokenizer):
+    def __init__(self, req: ResponsesRequest, model: str, splitter: AnswerSplitter, tokenizer,
+                 logprobs: LogprobFormat | None = None):
         self.req, self.model, self.splitter, self.tokenizer = req, model, splitter, tokenizer
+        # Log-probabilities asked: entries wait for the message's next delta (the tokens of a
+        # reasoning block included); ``scored``: the open message's so far.
+        self.logprobs = logprobs
+        self.pending: list = []
+        self.scored: list[dict] = []
         self.id = _new_id("resp")
         self.created = time.time()
         self.seq = 0
@@ -464,9 +475,11 @@ class ResponseStream:
         ids = self._item_ids()
         done = {**ids, "content_index": 0, "text": text}
         if kind == "message":
-            done["logprobs"] = []
-        build = message_item if kind == "message" else reasoning_item
-        finished = build(text, status, item["id"])
+            self.scored += self._scores()  # what never came out as text (a stop string's)
+            done["logprobs"], self.scored = self.scored, []
+            finished = message_item(text, status, item["id"], done["logprobs"])
+        else:
+            finished = reasoning_item(text, status, item["id"])
         self.output.append(finished)
         self.open = None
         self.texts[kind] += text
@@ -494,8 +507,13 @@ class ResponseStream:
         self.open["_text"].append(text)
         delta = {**self._item_ids(), "content_index": 0, "delta": text}
         if kind == "message":
-            delta["logprobs"] = []
+            delta["logprobs"] = self._scores()
+            self.scored += delta["logprobs"]
         return events + [self._event(f"{self.PARTS[kind][1]}.delta", delta)]
+
+    def _scores(self) -> list[dict]:
+        pending, self.pending = self.pending, []
+        return self.logprobs.content(pending) if self.logprobs is not None else []
 
     def _call(self, call: dict) -> list[str]:
         events = self._close()
@@ -515,6 +533,8 @@ class ResponseStream:
 
     def add(self, r) -> list[str]:
         """The events for one step of the generation."""
+        if self.logprobs is not None:
+            self.pending += r.logprobs or []
         reasoning, content, calls = self.splitter.feed(r.text, r.finish_reason is not None)
         events = []
         if reasoning:
