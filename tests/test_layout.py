@@ -22,8 +22,8 @@ LAYERS: dict[str, set[str]] = {
     "policy": {"policy.*", "cost_model"},
     "engine": {"model_mlx", "pair", "speculative", "batch", "prompt_cache", "acceptance",
                "stats"},
-    "tools": {"serving.*", "training.*", "bench", "convert", "export", "tau", "bound", "contexts",
-              "traces"},
+    "tools": {"serving.*", "training.*", "bench", "convert", "convert_plan", "convert_card",
+              "export", "tau", "bound", "contexts", "traces"},
     "top": {"cli", "__main__"},
 }
 ORDER = list(LAYERS)
