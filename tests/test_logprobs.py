@@ -176,3 +176,134 @@ def test_token_text_and_offsets(llama):
     offsets = text_offsets(pieces)
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
     assert any("\\x" in texts.text(t) for t in ids)  # a token holding part of the wave's bytes
+
+
+def test_with_a_grammar_the_values_are_still_the_raw_distribution(llama):
+    """A grammar decides which tokens may come; their log-probabilities stay the target's own
+    (before the mask, as before every other sampling setting)."""
+    pytest.importorskip("llguidance")
+    from dflash.grammar import Grammar
+
+    model, tokenizer, draft, prompt, _ = llama
+    out = generate(model, draft, tokenizer, prompt, max_tokens=24, logprobs=3,
+                   grammar=Grammar.regex(r"(sea|sky)( (sea|sky)){0,9}"))
+    ids = prompt + out.tokens
+    assert out.tokens and len(out.logprobs) == len(out.tokens)
+    assert worst_diff(out.logprobs, ids, len(prompt), mlx_lm_logprobs(model, ids), 3) < TOLERANCE
+
+
+@pytest.mark.parametrize("endpoint,body,expected", [
+    ("chat", {}, (None, False)),
+    ("chat", {"logprobs": True}, (0, False)),
+    ("chat", {"logprobs": True, "top_logprobs": 20}, (20, False)),
+    ("chat", {"logprobs": False, "top_logprobs": 0}, (None, False)),
+    ("completions", {"logprobs": 5, "echo": True}, (5, True)),
+    ("completions", {"echo": True}, (None, True)),
+    ("completions", {"logprobs": 0}, (0, False)),
+    ("responses", {"include": ["message.output_text.logprobs"]}, (0, False)),
+    ("responses", {"top_logprobs": 4}, (4, False)),
+    ("responses", {"include": ["reasoning.encrypted_content"], "top_logprobs": 0}, (None, False)),
+])
+def test_request_fields(endpoint, body, expected):
+    from dflash.serving.logprobs_format import parse_logprobs
+
+    assert parse_logprobs(endpoint, body) == expected
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"logprobs": 2}, "logprobs"),
+    ("chat", {"echo": True}, "echo"),
+    ("responses", {"echo": True}, "echo"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"logprobs": -1}, "logprobs"),
+    ("completions", {"echo": 1}, "echo"),
+    ("responses", {"top_logprobs": 2.5}, "top_logprobs"),
+    ("responses", {"include": "message.output_text.logprobs"}, "include"),
+])
+def test_bad_request_fields_name_the_field(endpoint, body, param):
+    from dflash.errors import APIError
+    from dflash.serving.logprobs_format import parse_logprobs
+
+    with pytest.raises(APIError) as e:
+        parse_logprobs(endpoint, body)
+    assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+def test_legacy_shape_with_echo(llama):
+    """The legacy object: the prompt first (its first token null), the chosen token among the
+    alternatives, offsets into the echoed text."""
+    from dflash.serving.logprobs_format import LogprobFormat, join_legacy
+
+    model, tokenizer, draft, prompt, _ = llama
+    words = tokenizer.encode(" the sea and the sky")
+    out = generate(model, draft, tokenizer, words, max_tokens=3, logprobs=2, prompt_logprobs=True)
+    fmt = LogprobFormat(tokenizer, 2)
+    text = tokenizer.decode(words)
+    body = join_legacy(fmt.legacy_prompt(words, out.prompt_logprobs, text),
+                       fmt.legacy(out.logprobs, out.text))
+    assert body["tokens"][:len(words)] == [fmt.texts.text(t) for t in words]
+    assert body["token_logprobs"][0] is None and body["top_logprobs"][0] is None
+    assert all(len(d) in (2, 3) for d in body["top_logprobs"][1:])
+    offsets = body["text_offset"]
+    assert offsets[0] == 0 and offsets[len(words)] == len(text) and offsets == sorted(offsets)
+    full = text + out.text
+    for j, (token, at) in enumerate(zip(body["tokens"], offsets)):
+        if j == len(words):  # the answer's first token: mlx-lm's detokenizer drops its space
+            token = token.lstrip(" ")
+        assert full[at:at + len(token)] == token, (j, token, at)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_sharded_target_on_two_ranks(kind, tmp_path):
+    """A target split over two ranks (``mlx.launch``, ring backend on localhost; qwen3 by
+    tensor parallelism, qwen3_5 by its own sharding): every rank's log-probabilities, prompt's
+    included, equal the split model's own forward in the same launch."""
+    import json
+
+    import tiny_models
+    from test_sharded import launch
+
+    target = tiny_models.write_target(tmp_path / "target", kind)
+    draft = tiny_models.write_drafter(tmp_path / "draft", target, taps=(0, 2))
+    out = tmp_path / "ranks"
+    run = launch(__file__, "sharded-worker", str(target), str(draft), str(out))
+    files = [out.with_suffix(f".{r}.json") for r in range(2)]
+    assert run.returncode == 0 and all(f.is_file() for f in files), run.stderr[-3000:]
+    ranks = [json.loads(f.read_text()) for f in files]
+    for got in ranks:
+        assert got["size"] == 2 and got["tokens"] == ranks[0]["tokens"]
+        assert got["worst"] < TOLERANCE, got
+
+
+def _sharded_worker(target: str, draft: str, out: str) -> None:
+    import json
+
+    from dflash import distributed
+    from dflash.pair import load_pair
+
+    ranks = distributed.join()
+    pair = load_pair(target, draft)
+    ids = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog. Once upon a time")
+    worst, tokens = 0.0, []
+    for policy in ("fixed", "auto"):
+        r = generate(pair.model, pair.draft, pair.tokenizer, ids, max_tokens=16, logprobs=4,
+                     prompt_logprobs=True, policy=policy, repetition_penalty=1.5)
+        every = ids + r.tokens
+        reference = mlx_lm_logprobs(pair.model, every)  # the split model, every rank alike
+        worst = max(worst, worst_diff(r.logprobs, every, len(ids), reference, 4),
+                    worst_diff(r.prompt_logprobs[1:], ids, 1, reference, 4))
+        tokens.append(r.tokens)
+    with open(f"{out}.{ranks.rank}.json", "w") as f:
+        json.dump({"size": ranks.size, "worst": worst, "tokens": tokens}, f)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["sharded-worker"]:
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+        _sharded_worker(*sys.argv[2:5])

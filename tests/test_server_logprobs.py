@@ -113,6 +113,9 @@ def test_completions_logprobs_and_echo(server, client, reference, pair):
     assert lp.tokens == [texts.text(t) for t in tokens]
     assert legacy_gap(lp, prompt + tokens, len(prompt), ref, 5, texts) < TOLERANCE
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    text = r.choices[0].text
+    for token, at in list(zip(lp.tokens, lp.text_offset))[1:]:  # (the first: its space dropped)
+        assert text[at:at + len(token)] == token
     # echo: the prompt's own log-probabilities first (its first token's null), then the answer's
     r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
                                   logprobs=3, echo=True)

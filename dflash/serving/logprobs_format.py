@@ -80,6 +80,8 @@ class LogprobFormat:
         self.texts = TokenText(tokenizer)
         self.top = top
         self.offset = 0  # characters of the completion's text already covered (legacy shape)
+        self.answered = False  # the answer's first token has been written (legacy shape)
+        self.lead = 0  # its dropped leading space (see :meth:`legacy`)
 
     # -- chat and responses ---------------------------------------------------------------------
 
@@ -97,13 +99,22 @@ class LogprobFormat:
 
     # -- completions (legacy) -------------------------------------------------------------------
 
-    def legacy(self, entries: list[TokenLogprob | None]) -> dict:
-        """The legacy ``logprobs`` object for ``entries`` (``None``: an unscored prompt token is
-        not possible here; see :meth:`legacy_prompt`), offsets continuing from the last call."""
+    def legacy(self, entries: list[TokenLogprob], text: str | None = None) -> dict:
+        """The legacy ``logprobs`` object for ``entries``, offsets continuing from the last call.
+        ``text``: the answer's text with the first of them (the detokenizer drops the space a
+        first token starts with, mlx-lm's way: the offsets after it move back by one)."""
         pieces = [self.texts.bytes(e.token) for e in entries]
-        offsets = text_offsets(pieces, self.offset)
+        raw = text_offsets(pieces, self.offset)  # as if every token's text were kept
         if entries:
-            self.offset = offsets[-1] + len(pieces[-1].decode("utf-8", errors="replace"))
+            self.offset = raw[-1] + len(pieces[-1].decode("utf-8", errors="replace"))
+        if entries and not self.answered:
+            self.answered = True
+            first = pieces[0].decode("utf-8", errors="replace")
+            if text is not None and first.startswith(" ") and not text.startswith(" "):
+                self.lead = 1
+            offsets = raw[:1] + [o - self.lead for o in raw[1:]]
+        else:
+            offsets = [o - self.lead for o in raw]
         return {"tokens": [self.texts.text(e.token) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [self._top_dict(e) for e in entries],

@@ -69,7 +69,7 @@ def full_response(endpoint: str, model: str, n_prompt: int, text: str, last, sta
             parts = []
             if echo is not None:
                 parts.append(logprobs.legacy_prompt(echo[0], last.prompt_logprobs or [], echo[1]))
-            scores = join_legacy(*parts, logprobs.legacy(last.logprobs or []))
+            scores = join_legacy(*parts, logprobs.legacy(last.logprobs or [], text))
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": created, "model": model,
                 "choices": [{"index": 0, "text": (echo[1] if echo else "") + text,
@@ -134,18 +134,19 @@ class StreamFormat:
             self.pending += r.logprobs or []
         return self.delta(r.text, r.finish_reason is not None)
 
-    def _scores(self):
+    def _scores(self, text: str = ""):
         """The pending tokens' log-probabilities in this endpoint's shape (``None``: not asked,
-        or, in chat, none pending)."""
+        or, in chat, none pending); ``text``: the completion chunk they go with."""
         if self.logprobs is None or (self.chat and not self.pending):
             return None
         pending, self.pending = self.pending, []
-        return self.logprobs.chat(pending) if self.chat else self.logprobs.legacy(pending)
+        return self.logprobs.chat(pending) if self.chat else \
+            self.logprobs.legacy(pending, text or None)
 
     def delta(self, text: str, final: bool) -> list[str]:
         """The events for newly generated ``text`` (none while a split tag is undecided)."""
         if not self.chat:
-            return [self._chunk({"index": 0, "text": text, "logprobs": self._scores(),
+            return [self._chunk({"index": 0, "text": text, "logprobs": self._scores(text),
                                  "finish_reason": None})] if text or self.pending else []
         reasoning, content, calls = self.splitter.feed(text, final)
         d = {}
