@@ -61,6 +61,11 @@ class TrainConfigError(DFlashError):
     """A training setting outside its valid range (block size, taps, output folder, ...)."""
 
 
+class PairMemoryFileError(DFlashError):
+    """A pair-memory file (``--pair-memory``, ``PairMemory.open``) that this dflash did not write:
+    not a JSON object, another format, or a stored value out of its range."""
+
+
 class MissingDependencyError(DFlashError):
     """An optional extra (``serve``, ``bench``) that is not installed; made by :func:`missing_extra`."""
 

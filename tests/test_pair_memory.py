@@ -352,6 +352,18 @@ def test_a_corrupt_or_foreign_file_is_said_once_and_replaced(tmp_path, capsys):
                                atol=1e-4)
 
 
+def test_bad_stored_values_and_settings_raise_typed_errors():
+    """What ``load`` refuses is a PairMemoryFileError and a bad ``carry`` a GenerationConfigError,
+    both ValueErrors, so callers that catch ValueError keep working."""
+    good = stored_copy(PairMemory(7))
+    for data in ([], dict(good, format="dflash-cost/2"), dict(good, losses=-2)):
+        with pytest.raises(dflash.errors.PairMemoryFileError) as e:
+            PairMemory(7).load(data)
+        assert isinstance(e.value, ValueError)
+    with pytest.raises(dflash.errors.GenerationConfigError, match="carry="):
+        PairMemory(7, carry=-1)
+
+
 def test_another_machines_memory_keeps_acceptance_not_timings(tmp_path):
     import json
 

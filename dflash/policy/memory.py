@@ -38,6 +38,7 @@ import numpy as np
 
 from ..backend import env_flag
 from ..console import one_line, say_once
+from ..errors import GenerationConfigError, PairMemoryFileError
 from ..files import write_atomic
 from .calibration import BINS, RIVAL_PRIORS, AcceptanceModel, Calibration, NodeCalibration
 from .plan import Continuation, Outcome
@@ -89,7 +90,7 @@ class PairMemory:
                  cap: float = MEMORY_CAP, carry_continuations: bool = False,
                  inherit_streak: bool = False):
         if not (isinstance(carry, (int, float)) and carry >= 0):
-            raise ValueError(f"carry={carry!r}: must be a number >= 0")
+            raise GenerationConfigError(f"carry={carry!r}: must be a number >= 0")
         self._lock = threading.Lock()
         self.calibration = Calibration.fresh(max(1, rows))
         self.carry, self.cap = float(carry), float(cap)
@@ -113,7 +114,7 @@ class PairMemory:
             return memory
         try:
             same_machine = memory.load(json.loads(path.read_text()))
-        except (ValueError, OSError) as e:  # load() checks every value: its errors are ValueErrors
+        except (ValueError, OSError) as e:  # bad JSON, or load()'s PairMemoryFileError
             say_once(f"{path}: {e}", f"pair memory {path} is unreadable ({e}); starting fresh")
             return memory
         memory.source = f"stored {path}" + ("" if same_machine else
@@ -194,14 +195,15 @@ class PairMemory:
 
     def load(self, data: dict) -> bool:
         """Take what a stored file says, every value checked before anything changes (a
-        ``ValueError`` names what is wrong). Returns whether its per-ms parts were kept
-        (measured on this machine)."""
+        :class:`~dflash.errors.PairMemoryFileError`, a ``ValueError``, names what is wrong).
+        Returns whether its per-ms parts were kept (measured on this machine)."""
         from ..cost_model import machine_id
 
         if not isinstance(data, dict):
-            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+            raise PairMemoryFileError(f"a JSON {type(data).__name__}, not an object")
         if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, this dflash writes {FORMAT!r}")
+            raise PairMemoryFileError(
+                f"format {data.get('format')!r}, this dflash writes {FORMAT!r}")
         acceptance, lookup = (_stored_model(data, name) for name in ("acceptance", "lookup"))
         nodes = _stored_nodes(data, "nodes", NodeCalibration.PRIORS)
         # Files written before rival continuations were stored start them from the prior.
@@ -210,13 +212,14 @@ class PairMemory:
         depths = data.get("depths")
         if not isinstance(depths, list) or not all(
                 isinstance(d, int) and 0 <= d <= acceptance.rows + 1 for d in depths):
-            raise ValueError(f"depths: {str(depths)[:60]} is not a list of verified depths")
+            raise PairMemoryFileError(
+                f"depths: {str(depths)[:60]} is not a list of verified depths")
         same_machine = data.get("machine") == machine_id()
         losses, rate = 0, None
         if same_machine:
             losses = data.get("losses")
             if not isinstance(losses, int) or losses < 0:
-                raise ValueError(f"losses: {losses!r}")
+                raise PairMemoryFileError(f"losses: {losses!r}")
             if data.get("draft_rate") is not None:
                 rate = _number(data, "draft_rate", "draft_rate")
         for stored in (acceptance, lookup, nodes, rivals):  # capped like any memory observed here
@@ -234,11 +237,12 @@ class PairMemory:
 
 
 def _number(where: dict, key: str, name: str) -> float:
-    """A finite, non-negative number ``where[key]``, or a ``ValueError`` naming ``name``."""
+    """A finite, non-negative number ``where[key]``, or a ``PairMemoryFileError`` naming
+    ``name``."""
     value = where.get(key) if isinstance(where, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not np.isfinite(value) or value < 0:
-        raise ValueError(f"{name}: {value!r} is not a finite number >= 0")
+        raise PairMemoryFileError(f"{name}: {value!r} is not a finite number >= 0")
     return float(value)
 
 
@@ -246,12 +250,12 @@ def _stored_nodes(data: dict, name: str, priors: dict) -> NodeCalibration:
     """The node calibration stored under ``name`` (one of each kind of ``priors``), checked."""
     raw = data.get(name)
     if not isinstance(raw, dict):
-        raise ValueError(f"{name}: not an object")
+        raise PairMemoryFileError(f"{name}: not an object")
     nodes = NodeCalibration(priors)
     nodes.hits = {k: _number(raw.get("hits"), k, f"{name}.hits") for k in priors}
     nodes.mass = {k: _number(raw.get("mass"), k, f"{name}.mass") for k in priors}
     if any(m <= 0 for m in nodes.mass.values()):
-        raise ValueError(f"{name}.mass: must be > 0")
+        raise PairMemoryFileError(f"{name}.mass: must be > 0")
     return nodes
 
 
@@ -261,13 +265,14 @@ def _stored_model(data: dict, name: str) -> AcceptanceModel:
         accepted = np.asarray(data[name]["accepted"], dtype=np.float64)
         tried = np.asarray(data[name]["tried"], dtype=np.float64)
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{name}: no counts ({one_line(e)})") from None
+        raise PairMemoryFileError(f"{name}: no counts ({one_line(e)})") from None
     if accepted.ndim != 2 or accepted.shape != tried.shape or accepted.shape[1] != BINS \
             or not 1 <= accepted.shape[0] <= 1024:
-        raise ValueError(f"{name}: counts of shape {accepted.shape} and {tried.shape}")
+        raise PairMemoryFileError(
+            f"{name}: counts of shape {accepted.shape} and {tried.shape}")
     if not (np.isfinite(tried).all() and np.isfinite(accepted).all() and (accepted >= 0).all()
             and (accepted <= tried + 1e-6).all()):
-        raise ValueError(f"{name}: counts out of range")
+        raise PairMemoryFileError(f"{name}: counts out of range")
     stored = AcceptanceModel(accepted.shape[0])
     stored.accepted, stored.tried = accepted, tried
     return stored
