@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .errors import GrammarError, MissingDependencyError
+from .errors import GrammarError, missing_extra
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 FINISH_REASON = "grammar"  # a grammar with no valid continuation ended the answer
@@ -45,9 +45,8 @@ def _llguidance():
     try:
         import llguidance
     except ImportError as e:  # pragma: no cover - installed with the serve and dev extras
-        raise MissingDependencyError(
-            "structured outputs need llguidance: pip install 'dflash[serve]' "
-            "(or pip install llguidance)") from e
+        raise missing_extra("serve", "structured outputs need llguidance (or pip install "
+                            "llguidance)") from e
     return llguidance
 
 
