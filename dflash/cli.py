@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
+from . import DISTRIBUTION, __version__
 from .backend import configure, env_flag
 from .console import PROG, log, one_line
 from .errors import CLIError, DFlashError
@@ -863,7 +863,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DFlash block-diffusion speculative decoding on MLX: the target "
         "model's exact output in fewer target passes.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    # The distribution's name too: z-lab's `dflash` installs a `dflash` package and command as well.
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("generate", help="generate text for one prompt, with statistics",
