@@ -14,7 +14,7 @@ Bearer KEY`` or ``x-api-key: KEY``, as the OpenAI and Anthropic clients send the
 runs in its key's scope (:mod:`.scopes`: whose earlier text its index and prefix cache hold).
 
 FastAPI, uvicorn and prometheus_client are imported only when a server is built
-(``pip install dflash[serve]``).
+(the ``serve`` extra: ``pip install 'mlx-dflash-spec[serve]'``).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route handlers' annotations
@@ -36,11 +36,11 @@ from ..errors import (
     APIError,
     DFlashError,
     GenerationCancelled,
-    MissingDependencyError,
     QueueFull,
     RankLost,
     ServerConfigError,
     ServerStartError,
+    missing_extra,
 )
 from ..lookup import DEFAULT_BUDGET
 from ..pair import Pair, load_pair
@@ -584,8 +584,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise MissingDependencyError("the server needs FastAPI, uvicorn and prometheus_client: "
-                                     "pip install 'dflash[serve]'") from None
+        raise missing_extra("serve", "the server needs FastAPI, uvicorn and "
+                            "prometheus_client") from None
     from .metrics import Metrics
 
     # What every request runs with unless it says otherwise: checked once the pair is loaded.
