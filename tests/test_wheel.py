@@ -108,6 +108,15 @@ def test_installed_package_is_the_wheel_not_the_work_tree(venv):
     assert out.split()[:2] == ["dflash", __version__] and DISTRIBUTION in out, out
 
 
+def test_every_subcommand_loads_from_the_wheel(venv):
+    """Each subcommand's module imports from the installed package alone (no file of the work
+    tree, no module the wheel left out)."""
+    for command in ("generate", "chat", "serve", "bench", "calibrate", "convert", "export",
+                    "magpie", "datagen", "train"):
+        out = run([venv["dflash"], command, "--help"], cwd=venv["cwd"]).stdout
+        assert out.startswith(f"usage: dflash {command}"), (command, out[:200])
+
+
 def test_model_card_snippet_runs_from_the_wheel(venv, tiny_pair):
     """The card's code, verbatim but for the two paths (a small model of the card's
     architecture, as tests/test_model_card.py runs it), in the installed package."""
