@@ -191,6 +191,9 @@ class Constrained:
     q: list | None
     bits: list[np.ndarray]
     forced: int = 0  # tokens the grammar forced (proposed without the drafter)
+    # The last token is an end of text the matcher has not consumed: llguidance's roll-back
+    # over a consumed end of text does not restore the state before it (measured, 1.9.1).
+    pending_end: bool = False
 
 
 @dataclass
@@ -208,6 +211,12 @@ class GrammarState:
 
     def __post_init__(self) -> None:
         self.words = (self.vocab_size + 31) // 32
+        self.ends = {int(t) for t in self.bound.tokenizer.eos_tokens}
+        # After an end of text only an end of text may follow (llguidance's stopped state).
+        self.end_bits = np.zeros(self.words, dtype=np.int32)
+        for t in self.ends:
+            if t < self.vocab_size:
+                self.end_bits[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
 
     # -- masks --------------------------------------------------------------------------------
 
@@ -311,6 +320,15 @@ class GrammarState:
                              None)
             if token is None:
                 break
+            if token in self.ends:  # proposed, not consumed (see Constrained.pending_end)
+                forced += bool(ff)
+                tokens.append(token)
+                if qs is not None:
+                    qs.append(row_q if row_q is not None else
+                              RowDist(np.array([token], dtype=np.int64), np.array([1.0])))
+                bits.append(self.end_bits)
+                self.forced_total += forced
+                return Constrained(tokens, qs, bits, forced, pending_end=True)
             self.matcher.consume_token(token)
             after = self.bits()
             if self.matcher.is_error():
@@ -330,10 +348,13 @@ class GrammarState:
     def settle(self, c: Constrained, accepted: int, bonus: int) -> None:
         """After the verify pass: keep the accepted proposals and the target's token after them
         (the matcher then holds exactly the emitted tokens)."""
-        extra = len(c.tokens) - accepted
-        if extra:
-            self.matcher.rollback(extra)
-        self.committed += c.tokens[:accepted]
+        consumed = len(c.tokens) - c.pending_end
+        kept = min(accepted, consumed)
+        if consumed > kept:
+            self.matcher.rollback(consumed - kept)
+        self.committed += c.tokens[:kept]
+        if accepted > consumed:  # the end of text was accepted: consumed for good now
+            self.consume(c.tokens[-1])
         if self.empty(c.bits[accepted]):
             self.mark_dead()
         else:

@@ -155,6 +155,23 @@ def test_masks_cut_and_force_proposals():
     assert state.matcher.is_accepting()
 
 
+def test_an_end_of_text_proposal_is_never_consumed_tentatively():
+    """llguidance's roll-back over a consumed end of text does not restore the state before it:
+    an end-of-text proposal stays unconsumed until the target accepts it."""
+    bound = Grammar.lark('start: "a" ("b"|"c")').bind(byte_tokenizer(), 8)
+    state = bound.start()
+    c = state.constrain([0, 1, 7, 7], cap=4)
+    assert c.tokens == [0, 1, 7] and c.pending_end
+    state.settle(c, accepted=1, bonus=2)  # the target kept "a", then chose "c"
+    fresh = bound.start()
+    fresh.matcher.consume_tokens([0, 2])
+    assert (state.bits() == fresh.bits()).all() and state.committed == [0, 2]
+    ended = bound.start()
+    c = ended.constrain([0, 1, 7], cap=3)
+    ended.settle(c, accepted=3, bonus=7)  # all accepted: a, b, the end, and the end again
+    assert ended.committed == [0, 1, 7, 7] and ended.dead is None
+
+
 def test_tree_policy_and_foreign_objects_are_refused(builtin):
     model, tokenizer, draft = builtin
     with pytest.raises(GenerationConfigError, match="policy='tree' with a grammar"):
