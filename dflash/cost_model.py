@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from .console import log, say_once
-from .errors import missing_extra
+from .errors import CostModelError, missing_extra
 from .files import write_atomic
 
 FORMAT = "dflash-cost/2"
@@ -217,7 +217,7 @@ class PassCosts:
         pipelined plain step, ``rows`` 1; ``draft``: a drafter block pass) after ``context``
         cached tokens took ``seconds`` (issue to host read of its result)."""
         if kind not in KINDS:
-            raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
+            raise CostModelError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
         if not (rows >= 1 and math.isfinite(seconds) and seconds > 0):
             return
         bucket = context_bucket(context)
@@ -394,7 +394,7 @@ class PassCosts:
         try:
             data = json.loads(path.read_text())
             if data.get("format") != LEARNED_FORMAT or data.get("key") != key:
-                raise ValueError("not the learnt costs of this pair")
+                raise CostModelError("not the learnt costs of this pair")
             age_days = (time.time() - os.path.getmtime(path)) / 86400
             if age_days > MAX_AGE_DAYS or data.get("machine") != machine:
                 say_once(f"{path}:foreign", f"learnt pass costs {path} are from another machine, MLX "
@@ -585,9 +585,9 @@ def _read(path: Path, key: str) -> CostModel | None:
         data = json.loads(path.read_text())
         model = CostModel(**data)
         if model.format != FORMAT:
-            raise ValueError(f"format {model.format!r}, this dflash writes {FORMAT!r}")
+            raise CostModelError(f"format {model.format!r}, this dflash writes {FORMAT!r}")
         if model.key != key or len(model.verify_ms) != len(model.contexts):
-            raise ValueError("not a cost model for this pair")
+            raise CostModelError("not a cost model for this pair")
     except (ValueError, TypeError, OSError) as e:
         say_once(str(path), f"calibration {path} is unreadable ({e}); ignoring it")
         return None

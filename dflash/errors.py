@@ -61,6 +61,21 @@ class TrainConfigError(DFlashError):
     """A training setting outside its valid range (block size, taps, output folder, ...)."""
 
 
+class CostModelError(DFlashError):
+    """Pass costs that cannot be used: a timing of an unknown pass kind, or a stored calibration
+    or learnt-costs file of another pair or another format (read as missing, said once)."""
+
+
+class GGUFImportError(ModelLoadError):
+    """A GGUF file the importer cannot convert: an architecture, tokenizer or tensor type it does
+    not support."""
+
+
+class PlanMessageError(ValueError):
+    """A plan larger than the fixed-size message the ranks of a sharded target exchange (more
+    continuation tokens or tree nodes than it holds)."""
+
+
 class PairMemoryFileError(DFlashError):
     """A pair-memory file (``--pair-memory``, ``PairMemory.open``) that this dflash did not write:
     not a JSON object, another format, or a stored value out of its range."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import gguf
 
+from .errors import GGUFImportError
+
 TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -62,7 +64,8 @@ def _tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
 
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={model_kind!r}: only byte-level BPE (gpt2) is supported")
+        raise GGUFImportError(f"GGUF tokenizer.ggml.model={model_kind!r}: only byte-level BPE "
+                              "(gpt2) is supported")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     types = list(_field(reader, "tokenizer.ggml.token_type"))
@@ -110,7 +113,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
     reader = gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (llama only)")
+        raise GGUFImportError(f"{gguf_path}: architecture {arch!r} is not supported (llama only)")
     n_heads = int(_field(reader, "llama.attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
     hidden = int(_field(reader, "llama.embedding_length"))
@@ -127,7 +130,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
         elif qtype in ("F32", "F16", "BF16"):
             w = raw[name]
         else:
-            raise ValueError(f"{gguf_path}: tensor {name} has unsupported type {qtype}")
+            raise GGUFImportError(f"{gguf_path}: tensor {name} has unsupported type {qtype}")
         w = w.astype(target_dtype)
         if name.endswith("attn_q.weight"):
             w = _unpermute_rope(w, n_heads)
