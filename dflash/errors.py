@@ -71,9 +71,19 @@ class GGUFImportError(ModelLoadError):
     not support."""
 
 
-class PlanMessageError(ValueError):
-    """A plan larger than the fixed-size message the ranks of a sharded target exchange (more
-    continuation tokens or tree nodes than it holds)."""
+class RankMessageError(ValueError):
+    """More than fits the fixed-size message the ranks of a sharded target exchange: a plan with
+    more continuation tokens or tree nodes than it holds, or more values than its width."""
+
+
+class CacheLayoutError(ValueError):
+    """A batched cache asked for what its layout does not hold: one row of a batch of several, a
+    sliding-window mask of a target's cache, a target's mask of a drafter's cache, a window wider
+    than the cache keeps."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A per-core worker process (:func:`dflash.workers.run_per_core`) exited with an error."""
 
 
 class PairMemoryFileError(DFlashError):

@@ -37,6 +37,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .dflash2 import WindowCache
+from .errors import CacheLayoutError
 
 
 class RaggedKVCache:
@@ -101,7 +102,7 @@ class RaggedKVCache:
         """``(B, 1, n, end)``: query ``j`` of row ``b`` (position ``lengths[b] + j``) sees slots
         ``0 .. lengths[b] + j``: its context and the new tokens up to itself."""
         if window_size is not None:
-            raise ValueError("RaggedKVCache has no sliding-window mask")
+            raise CacheLayoutError("RaggedKVCache has no sliding-window mask")
         end = max(self.lengths) + n
         last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
         return mx.arange(end)[None, None, None, :] <= last
@@ -151,7 +152,7 @@ class RaggedKVCache:
         """The batch's one row as an ordinary ``KVCache`` (sharing its buffer); the batch is
         left empty."""
         if self.batch != 1:
-            raise ValueError(f"only_row: the batch holds {self.batch} rows, not 1")
+            raise CacheLayoutError(f"only_row: the batch holds {self.batch} rows, not 1")
         cache = KVCache()
         cache.keys, cache.values, cache.offset = self.keys, self.values, self.lengths[0]
         self.keys = self.values = None
@@ -247,13 +248,13 @@ class RaggedWindowCache(RaggedKVCache):
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None
                   ) -> mx.array:
-        raise ValueError("RaggedWindowCache holds a drafter's context, not a target's")
+        raise CacheLayoutError("RaggedWindowCache holds a drafter's context, not a target's")
 
     def context_mask(self, n: int = 1, window: int | None = None) -> mx.array:
         """As :meth:`RaggedKVCache.context_mask`, over the slots each row holds (slot ``s`` of
         row ``b``: position ``base[b] + s``); the window is at most ``size + 1``."""
         if window is None or window > self.size + 1:
-            raise ValueError(f"RaggedWindowCache({self.size}): a window of at most "
+            raise CacheLayoutError(f"RaggedWindowCache({self.size}): a window of at most "
                              f"{self.size + 1} positions, not {window}")
         end = max(self.held)
         slots = mx.arange(end)[None, None, None, :]
@@ -300,7 +301,7 @@ class RaggedWindowCache(RaggedKVCache):
         """The batch's one row as one sequence's ``WindowCache`` (sharing its buffer); the
         batch is left empty."""
         if self.batch != 1:
-            raise ValueError(f"only_row: the batch holds {self.batch} rows, not 1")
+            raise CacheLayoutError(f"only_row: the batch holds {self.batch} rows, not 1")
         cache = WindowCache(self.size)
         cache._keys, cache._values = self.keys, self.values
         cache.used, cache.offset = self.held[0], self.lengths[0]
@@ -390,7 +391,7 @@ class RaggedArraysCache:
     def only_row(self) -> ArraysCache:
         """The batch's one row as an ordinary ``ArraysCache``; the batch is left empty."""
         if self.cache[0] is None or self.cache[0].shape[0] != 1:
-            raise ValueError("only_row: the batch does not hold exactly 1 row")
+            raise CacheLayoutError("only_row: the batch does not hold exactly 1 row")
         cache = ArraysCache(2)
         cache[0], cache[1] = self.cache
         self.cache = [None, None]

@@ -23,6 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .errors import RankMessageError
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -72,7 +74,7 @@ class Ranks:
         if self.is_main and values is not None:
             values = np.asarray(values, dtype=np.int32).ravel()
             if len(values) > width:
-                raise ValueError(f"{len(values)} values: at most width={width}")
+                raise RankMessageError(f"{len(values)} values: at most width={width}")
             mine[:len(values)] = values
         if not self.distributed:
             return mine

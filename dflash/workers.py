@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 from collections.abc import Callable
 
+from .errors import WorkerFailedError
+
 
 def start_per_core(fn: Callable, jobs: list[tuple], kwargs: dict | None = None,
                    daemon: bool = False) -> list[mp.Process]:
@@ -33,4 +35,4 @@ def run_per_core(fn: Callable, jobs: list[tuple], name: str, kwargs: dict | None
         p.join()
     bad = [p.exitcode for p in procs if p.exitcode]
     if bad:
-        raise RuntimeError(f"{name} worker failed with exit code {bad[0]}")
+        raise WorkerFailedError(f"{name} worker failed with exit code {bad[0]}")

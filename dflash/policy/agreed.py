@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..errors import PlanMessageError, RankLost
+from ..errors import RankLost, RankMessageError
 from ..lookup import MAX_CHAIN
 from ..tree import DraftTree
 from .base import Candidates, Policy
@@ -94,7 +94,7 @@ def encode(what: Plan | int, a: int = 0, b: int = 0) -> np.ndarray:
             pass
         case Continuation():
             if len(plan.tokens) > MAX_CHAIN:
-                raise PlanMessageError(
+                raise RankMessageError(
                     f"a continuation of {len(plan.tokens)} tokens: at most {MAX_CHAIN}")
             out[_HEAD:_HEAD + len(plan.tokens)] = plan.tokens
             out[3], out[5], out[6] = len(plan.tokens), plan.match, plan.count
@@ -106,7 +106,7 @@ def encode(what: Plan | int, a: int = 0, b: int = 0) -> np.ndarray:
     if tree is not None:
         n = len(tree)
         if n > MAX_NODES:
-            raise PlanMessageError(f"a tree of {n} nodes: at most {MAX_NODES}")
+            raise RankMessageError(f"a tree of {n} nodes: at most {MAX_NODES}")
         out[4] = n
         start = _HEAD + MAX_CHAIN
         for i, column in enumerate((tree.tokens, tree.parents, tree.depths)):
