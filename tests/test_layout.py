@@ -17,7 +17,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dflash"
 LAYERS: dict[str, set[str]] = {
     "base": {"errors", "console", "files", "backend", "workers", "ranks", "distributed"},
     "model": {"target", "drafter", "checkpoint", "sampling", "prompts", "gguf_import",
-              "default_pair", "tree", "lookup", "dflash2", "ragged_cache"},
+              "default_pair", "tree", "lookup", "dflash2", "ragged_cache", "grammar", "logprobs",
+              "cache_files"},
     # What to verify each cycle and what it costs: pure decisions, below the engines that run them.
     "policy": {"policy.*", "cost_model"},
     "engine": {"model_mlx", "pair", "speculative", "batch", "prompt_cache", "acceptance",
