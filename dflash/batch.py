@@ -634,12 +634,16 @@ class BatchGenerator:
                                self.draft.target_layer_ids, trace)
         steps, keep = [], []
         longest = max(len(s.state.fed) for s in self.rows)
+        allowed = [None] * len(self.rows)
+        if plan.constrained is not None:
+            mx.async_eval(logits)  # the pass runs while the host expands the rows' masks
+            allowed = [None if c is None else s.state.grammar.allowed(c.bits)
+                       for s, c in zip(self.rows, plan.constrained)]
         for i, s in enumerate(self.rows):
             props = proposals[i]
             c = None if plan.constrained is None else plan.constrained[i]
-            a, bonus = s.request.sampler.accept(
-                logits[i, :len(props) + 1], props, qs[i], s.state.history,
-                allowed=None if c is None else s.state.grammar.allowed(c.bits))
+            a, bonus = s.request.sampler.accept(logits[i, :len(props) + 1], props, qs[i],
+                                                s.state.history, allowed=allowed[i])
             if c is not None:
                 s.state.grammar.settle(c, a, bonus)
             context = len(s.state.fed)

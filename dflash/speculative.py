@@ -675,9 +675,11 @@ def verify_chain(parts, draft, request: DecodeRequest, state: DecodeState,
     verified = len(proposals) + 1
     logits, taps = forward(parts, mx.array([anchor] + proposals)[None], state.cache,
                            draft.target_layer_ids, trace)
-    a, bonus = request.sampler.accept(
-        logits[0], proposals, q, state.history,
-        allowed=None if constrained is None else state.grammar.allowed(constrained.bits))
+    allowed = None
+    if constrained is not None:
+        mx.async_eval(logits)  # the pass runs while the host expands the rows' masks
+        allowed = state.grammar.allowed(constrained.bits)
+    a, bonus = request.sampler.accept(logits[0], proposals, q, state.history, allowed=allowed)
     if constrained is not None:
         state.grammar.settle(constrained, a, bonus)
     state.timed("verify", verified, context, time.perf_counter() - drafted)
