@@ -146,6 +146,28 @@ def test_completions_logprobs_and_echo(server, client, reference, pair):
     assert gap < TOLERANCE, gap
 
 
+def test_a_log_likelihood_request_as_lm_evaluation_harness_sends_it(server, pair):
+    """``local-completions``' loglikelihood request: token ids in a batch of one, ``echo``,
+    ``max_tokens`` 1, ``logprobs`` 1; it sums ``token_logprobs[ctxlen:-1]`` and calls the
+    continuation greedy where each token's value is the top of its ``top_logprobs``."""
+    model, tokenizer, texts = pair
+    context = tokenizer.encode(" the sea, the sky and")
+    continuation = tokenizer.encode(" the long road home")
+    ids = context + continuation
+    body = {"model": MODEL_NAME, "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True,
+            "temperature": 0, "seed": 1234}
+    choice = httpx.post(server["base"] + "/v1/completions", json=body, timeout=60).json()[
+        "choices"][0]
+    values = choice["logprobs"]["token_logprobs"][len(context):-1]
+    tops = choice["logprobs"]["top_logprobs"][len(context):-1]
+    ref = mlx_lm_logprobs(model, ids)
+    expected = [ref[i - 1][ids[i]] for i in range(len(context), len(ids))]
+    assert len(values) == len(continuation)
+    assert abs(sum(values) - sum(expected)) < TOLERANCE * len(values)
+    greedy = [bool(ref[i - 1].argmax() == ids[i]) for i in range(len(context), len(ids))]
+    assert [v == max(t.values()) for v, t in zip(values, tops)] == greedy
+
+
 def test_responses_logprobs(server, client, reference, pair):
     model, tokenizer, texts = pair
     messages = chat("Count to ten.")
