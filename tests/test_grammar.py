@@ -378,3 +378,29 @@ def test_generate_json_schema_and_regex_match_the_library(tiny_pair, loaded_pair
     p = _run_cli("generate", "--model", target, "--draft", draft_path, "--prompt", "Who?",
                  "--regex", "[a-(")
     assert p.returncode == 1 and "--regex" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- a DFlash2 drafter (its own proposal walk) ----------------------------------------------------
+
+
+def test_dflash2_drafter_with_a_grammar_equals_mlx_lm(tiny_pair, tmp_path):
+    """DFlash2 proposals come from its selector's walk (argmax greedy, drawn with their q when
+    sampled): cut, replaced and forced like v1's, still mlx-lm's output."""
+    from dflash2_fixtures import write_dflash2_drafter
+
+    from dflash.drafter import load_draft
+    from dflash.model_mlx import load
+
+    target, v1 = tiny_pair("llama")
+    model, tokenizer = load(str(target))
+    draft = load_draft(str(write_dflash2_drafter(tmp_path / "draft", v1, sliding_window=16)))
+    prompt = [1, 17, 42, 5, 99, 3, 8, 250, 31, 77]
+    grammar = Grammar.json_schema(PERSON)
+    ref = reference(model, tokenizer, prompt, grammar, 40)
+    for policy in ("fixed", "auto"):
+        out = generate(model, draft, tokenizer, prompt, max_tokens=40, grammar=grammar,
+                       policy=policy)
+        assert out.tokens == ref, policy
+    sampled = generate(model, draft, tokenizer, prompt, max_tokens=60, grammar=grammar,
+                       temperature=1.0, seed=2)
+    check_answer(sampled.text, PERSON, sampled.finish_reason)
