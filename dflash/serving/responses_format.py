@@ -23,7 +23,8 @@ Without ``max_output_tokens`` an answer may run to the end of the context, as on
 
 Fields are checked where they change the answer; fields about accounting, caching or OpenAI's
 platform (``include``, ``prompt_cache_key``, ``client_metadata``, ``reasoning``, ...) are accepted
-and ignored, and fields this server does not know are ignored too, each logged once. Hosted tools
+and ignored (but ``include: ["message.output_text.logprobs"]`` and ``top_logprobs``, which put
+log-probabilities on the message: :mod:`.logprobs_format`), and fields this server does not know are ignored too, each logged once. Hosted tools
 (``web_search``, ``namespace``, ``custom``, ...) are ignored and logged once per type: Codex sends
 them with every request, and a model served here cannot run them.
 """
