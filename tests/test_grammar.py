@@ -155,6 +155,31 @@ def test_masks_cut_and_force_proposals():
     assert state.matcher.is_accepting()
 
 
+def test_sampled_proposals_keep_q_restricted_to_the_grammar():
+    """A drawn proposal is accepted against ``q`` restricted to the allowed tokens (renormalised);
+    a rejected one is redrawn from that restriction; no allowed mass ends the chain."""
+    from dflash.sampling import RowDist
+
+    bound = Grammar.lark('start: ("a"|"b") ("d"|"e")').bind(byte_tokenizer(), 8)
+    q = [RowDist(np.array([0, 5, 1]), np.array([0.25, 0.5, 0.25])),  # a, f, b
+         RowDist(np.array([6, 4]), np.array([0.5, 0.5])),  # g, e
+         RowDist(np.array([6]), np.array([1.0]))]
+    draws = []
+
+    def draw(dist):
+        draws.append(dist)
+        return int(dist.ids[-1])
+
+    state = bound.start()
+    c = state.constrain([5, 6, 6], cap=3, q=q, draw=draw)  # f and g are rejected: redrawn
+    assert c.tokens == [1, 4] and len(draws) == 2
+    assert draws[0].ids.tolist() == [0, 1] and np.allclose(draws[0].probs, [0.5, 0.5])
+    assert c.q[1].ids.tolist() == [4] and np.allclose(c.q[1].probs, [1.0])
+    state.settle(c, accepted=0, bonus=0)
+    c = state.constrain([6], cap=1, q=[q[2]], draw=draw)  # g only: no allowed mass, no proposal
+    assert c.tokens == [] and len(draws) == 2
+
+
 def test_an_end_of_text_proposal_is_never_consumed_tentatively():
     """llguidance's roll-back over a consumed end of text does not restore the state before it:
     an end-of-text proposal stays unconsumed until the target accepts it."""
