@@ -21,7 +21,8 @@ import json
 from dataclasses import dataclass
 
 from ..console import say_once
-from ..errors import APIError, GenerationConfigError
+from ..errors import APIError, GenerationConfigError, GrammarError
+from ..grammar import Grammar
 from ..policy import check_policy
 from ..prompts import encode_prompt, encode_text
 from ..sampling import SamplingConfig, check_decode_settings
@@ -38,12 +39,12 @@ MAX_STOP_STRINGS = 16
 UNSUPPORTED = {"best_of": lambda v: v not in (None, 1), "suffix": lambda v: bool(v)}
 # The server's own settings, accepted on every endpoint (``extra_body`` in the OpenAI client).
 EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "proposal", "block_size", "policy",
-                        "tree_budget", "min_confidence", "lookup"})
+                        "tree_budget", "min_confidence", "lookup", "regex", "grammar"})
 # What the OpenAI endpoints read (the settings, then each endpoint's own fields).
 SETTINGS_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n", "stop",
     "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "logit_bias",
-    *UNSUPPORTED}) | EXTENSIONS
+    "response_format", *UNSUPPORTED}) | EXTENSIONS
 OPENAI_FIELDS = {
     "chat": SETTINGS_FIELDS | {"messages", "tools", "tool_choice", "chat_template_kwargs",
                                "enable_thinking", "reasoning_effort", "logprobs", "top_logprobs",
@@ -87,6 +88,7 @@ class GenerationSettings:
     # prompt's own (completions' echo with logprobs).
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    grammar: object | None = None  # a dflash.grammar.BoundGrammar: the answer must match it
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of ``dflash.speculative.stream_generate``."""
@@ -102,7 +104,8 @@ class GenerationSettings:
             lookup=self.lookup,
             # Only when asked: a request without them carries the engine's defaults unchanged.
             **({} if self.logprobs is None else {"logprobs": self.logprobs}),
-            **({"prompt_logprobs": True} if self.prompt_logprobs else {}))
+            **({"prompt_logprobs": True} if self.prompt_logprobs else {}),
+            **({} if self.grammar is None else {"grammar": self.grammar}))
 
 
 @dataclass
@@ -160,6 +163,16 @@ def parse_checked_tools(tools, tool_choice) -> ToolSpec | None:
     spec = parse_tools(tools, tool_choice)
     if spec is None:
         return None
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (isinstance(fn, dict) and fn.get("strict")) or (isinstance(tool, dict)
+                                                           and tool.get("strict")):
+            # Refused, not ignored: arguments are parsed out of free text, never constrained.
+            param = f"tools[{i}].function.strict"
+            raise APIError(400, f"{param}: tool {(fn or tool).get('name')!r}: strict tool "
+                           "arguments (constrained to the tool's schema) are not supported by "
+                           "this server; send the tool without strict", param=param,
+                           code="unsupported_parameter")
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
@@ -177,6 +190,45 @@ def parse_checked_tools(tools, tool_choice) -> ToolSpec | None:
     return spec
 
 
+def parse_grammar(body: dict, tokenizer, vocab_size: int):
+    """The grammar a request's answer must match (a ``BoundGrammar``; ``None``: unconstrained):
+    ``response_format`` (``json_object``, ``json_schema``; ``text`` is none), or the server's
+    ``regex`` / ``grammar`` (Lark) fields. A bad one: a 400 naming the field."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1:
+        fmt = None
+    asked = [name for name, value in (("response_format", fmt), ("regex", body.get("regex")),
+                                      ("grammar", body.get("grammar"))) if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(asked)}: give one of them", param=asked[1],
+                       code="invalid_value")
+    param = asked[0]
+    try:
+        if param == "regex":
+            grammar = Grammar.regex(body["regex"], field="regex")
+        elif param == "grammar":
+            grammar = Grammar.lark(body["grammar"], field="grammar")
+        elif not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+            raise APIError(400, f"response_format.type={kind!r}: one of 'text', 'json_object', "
+                           "'json_schema'", param="response_format", code="invalid_value")
+        elif fmt["type"] == "json_object":
+            grammar = Grammar.json_object(field="response_format")
+        else:
+            spec = fmt.get("json_schema")
+            param = "response_format.json_schema"
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, f"{param}: an object with the JSON schema in 'schema'",
+                               param=param, code="invalid_value")
+            param = "response_format.json_schema.schema"
+            grammar = Grammar.json_schema(spec["schema"], field=param)
+        return grammar.bind(tokenizer, vocab_size)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
 def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one request body of ``endpoint`` ("chat" or "completions")."""
     ignore_unknown(body, OPENAI_FIELDS[endpoint] | OPENAI_IGNORED,
@@ -191,6 +243,7 @@ def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> 
         req = chat_request(chat_messages(body), spec, template_kwargs(body), tokenizer, served)
         req.settings = generation_settings(body, served, len(req.prompt_ids), "messages")
         req.settings.logprobs = top
+        req.settings.grammar = parse_grammar(body, tokenizer, served.vocab_size)
         req.stream, req.include_usage = stream, include_usage
         return req
     ids = completion_prompt_ids(body, tokenizer, served.vocab_size)
@@ -201,6 +254,7 @@ def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> 
     if score_only:
         settings.max_tokens = 0
     settings.logprobs, settings.prompt_logprobs = top, echo and top is not None
+    settings.grammar = parse_grammar(body, tokenizer, served.vocab_size)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
