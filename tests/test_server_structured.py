@@ -1,0 +1,139 @@
+"""``dflash serve`` with structured outputs: ``response_format`` (json_object, json_schema), the
+server's ``regex`` / ``grammar`` fields, the OpenAI SDK's ``parse(response_format=Model)``, and the
+400s bad grammars get. The real server on localhost (tiny models), the official client."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import pytest
+from test_server import KIND, MODEL_NAME, launch_server
+
+pytestmark = pytest.mark.slow  # a server subprocess and the models, for many seconds
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+pydantic = pytest.importorskip("pydantic")
+
+from dflash.grammar import Grammar  # noqa: E402
+
+
+class Verdict(pydantic.BaseModel):
+    """Short by construction (no free strings): a tiny random target finishes it."""
+
+    ok: bool
+    colour: Literal["red", "green", "blue"]
+    count: int = pydantic.Field(ge=0, le=99)
+
+
+SCHEMA = {**Verdict.model_json_schema(), "additionalProperties": False}  # as strict mode sends it
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair(KIND)
+    with launch_server(target, draft, tmp_path_factory.mktemp("structured") / "server.log",
+                       "--max-concurrency", "2") as s:
+        yield s
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_parse_with_a_pydantic_model(client):
+    r = client.chat.completions.parse(model=MODEL_NAME, messages=chat("Judge it."),
+                                      response_format=Verdict, max_tokens=64, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Verdict)
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_json_schema_answer_is_the_library_grammar_answer(client, reference):
+    text, _, _ = reference(chat("Judge it."), max_tokens=64,
+                           grammar=Grammar.json_schema(SCHEMA))
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=chat("Judge it."), max_tokens=64, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}})
+    assert r.choices[0].message.content == text
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_sampled_streamed_and_completions_answers_validate(client):
+    for seed in range(3):
+        stream = client.chat.completions.create(
+            model=MODEL_NAME, messages=chat("Judge it."), max_tokens=64, temperature=1.0,
+            seed=seed, stream=True,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "verdict", "schema": SCHEMA}})
+        text, finish = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "stop", (finish, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    r = client.completions.create(model=MODEL_NAME, prompt="A verdict:", max_tokens=64,
+                                  temperature=0, extra_body={"response_format": {
+                                      "type": "json_schema", "json_schema": {"schema": SCHEMA}}})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+def test_json_object_regex_and_lark(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=chat("Any object."),
+                                       max_tokens=48, temperature=0,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut by max_tokens: a prefix of an object
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content.startswith("{")
+    r = client.chat.completions.create(model=MODEL_NAME, messages=chat("Yes or no?"),
+                                       max_tokens=16, temperature=0,
+                                       extra_body={"regex": "(yes|no)[.!]"})
+    assert re.fullmatch(r"(yes|no)[.!]", r.choices[0].message.content)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=chat("Count."), max_tokens=16,
+                                       temperature=0,
+                                       extra_body={"grammar": 'start: ("one" | "two") " apple"'})
+    assert r.choices[0].message.content in ("one apple", "two apple")
+
+
+def test_max_tokens_cuts_with_finish_reason_length(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=chat("Judge it."), max_tokens=3, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model=MODEL_NAME, messages=chat("Judge it."),
+                                      response_format=Verdict, max_tokens=3)
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "v",
+                                                                 "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema", "objekt"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "v"}}},
+     "response_format.json_schema", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"type": "string", "format": "bogus"}}}},
+     "response_format.json_schema.schema", "bogus"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"regex": "[a-("}, "regex", "regex"),
+    ({"grammar": "start: nowhere"}, "grammar", "nowhere"),
+    ({"regex": "a", "grammar": "start: \"a\""}, "grammar", "give one"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "lookup", "strict": True,
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]},
+     "tools[0].function.strict", "not supported"),
+])
+def test_bad_grammars_are_400_naming_the_field(server, extra, param, words):
+    body = {"model": MODEL_NAME, "messages": chat("x"), "max_tokens": 4, **extra}
+    r = httpx.post(server["base"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
