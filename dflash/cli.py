@@ -194,6 +194,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default 262144)")
     add_prompt_cache_args(g)
     add_pair_memory_arg(g)
+    g.add_argument("--record", default=None, metavar="DIR",
+                   help="append every accepted request to DIR/requests.jsonl (a session to "
+                        "replay with benchmarks/replay.py)")
 
 
 def add_prompt_cache_args(g) -> None:
@@ -621,7 +624,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                prompt_cache_dir=args.prompt_cache_dir,
                                prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
                                draft_window=args.draft_window, rank_timeout=args.rank_timeout,
-                               keepalive=args.keepalive)
+                               keepalive=args.keepalive, record=args.record)
     except DFlashError as e:
         raise CLIError(as_option(one_line(e), SERVE_SETTINGS), code=1) from None
     try:

@@ -174,9 +174,16 @@ def test_a_restarted_server_serves_the_next_turn_from_disk(tiny_pair, tmp_path, 
         reply = _chat(httpx, s["base"], KEY_A, first)
         warm = _chat(httpx, s["base"], KEY_A, second(reply))
     with launch_server(target, draft, tmp_path / "one.log", "--api-key", KEY_A,
-                       "--api-key", KEY_B, "--prompt-cache-dir", str(folder), *common) as s:
+                       "--api-key", KEY_B, "--prompt-cache-dir", str(folder), *common,
+                       "--record", str(tmp_path / "rec")) as s:
         again = _chat(httpx, s["base"], KEY_A, first)
     assert again["choices"][0]["message"] == reply["choices"][0]["message"]
+    from dflash.serving.record import read_session
+    from dflash.serving.scopes import scope_name
+
+    (recorded,) = read_session(tmp_path / "rec")  # what a replay sends, the key never written
+    assert recorded["body"]["messages"] == first and recorded["scope"] == scope_name(KEY_A)
+    assert KEY_A not in (tmp_path / "rec" / "requests.jsonl").read_text()
     assert list(folder.rglob(f"*{SUFFIX}")), "turn 1 was not written"
     with launch_server(target, draft, tmp_path / "two.log", "--api-key", KEY_B,
                        "--api-key", KEY_A, "--prompt-cache-dir", str(folder), *common) as s:

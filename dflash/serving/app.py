@@ -59,6 +59,7 @@ from .anthropic_format import (
 from .logprobs_format import LogprobFormat
 from .openai_format import StreamFormat, full_response, model_card
 from .reasoning import ThinkSplitter, think_tags
+from .record import Recorder
 from .requests import CompletionRequest, ServedModel, config_error, parse_request, read_json
 from .responses_format import (
     ResponseStore,
@@ -100,8 +101,10 @@ class Server:
     def __init__(self, worker: Worker, model_name: str, max_context: int | None = None,
                  default_max_tokens: int = 512, block_size: int | None = None,
                  reasoning: str = "auto", keys: APIKeys | None = None,
-                 kv: dict | None = None, keepalive: float = KEEPALIVE_SECONDS):
+                 kv: dict | None = None, keepalive: float = KEEPALIVE_SECONDS,
+                 recorder: Recorder | None = None):
         self.worker = worker
+        self.recorder = recorder  # --record: each accepted request written down
         self.keepalive = keepalive  # seconds between keepalives before the first output
         self.kv = kv or {}  # the target's KV cache settings, the same for every request
         self.keys = keys if keys is not None else APIKeys()
@@ -346,6 +349,8 @@ def build_app(server: Server):
                                               server.responses, CALLER.get() or "")
             else:
                 req = parse_request(endpoint, body, server.tokenizer, server.served)
+            if server.recorder is not None:  # accepted requests only: a replay sends these
+                server.recorder.write(endpoint, body, CALLER.get())
             if req.stream:
                 events = server.events(req)
                 # Wait for the first event (the generation has started) before answering, so
@@ -539,7 +544,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                   quantized_kv_start: int = QUANTIZED_KV_START,
                   draft_window: int | None = None,
                   rank_timeout: float = RANK_TIMEOUT,
-                  keepalive: float = KEEPALIVE_SECONDS) -> Server:
+                  keepalive: float = KEEPALIVE_SECONDS, record: str | None = None) -> Server:
     """Load the pair in the worker's thread and build the app (``server.app``).
 
     ``max_concurrency`` ``None``: derived from memory (``default_max_concurrency``);
@@ -558,11 +563,13 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     :func:`follow_server`; rank 0 plans every batch and generation, the others take its plans);
     ``rank_timeout``: seconds without a finished cycle before the other ranks count as gone.
     ``keepalive``: seconds between the SSE comments a stream sends before its first output
-    (:data:`KEEPALIVE`).
+    (:data:`KEEPALIVE`). ``record``: a folder each accepted request is appended to
+    (:mod:`.record`, for ``benchmarks/replay.py``).
     """
     if not keepalive > 0:
         raise ServerConfigError(f"--keepalive {keepalive!r}: must be > 0 seconds")
     keys = APIKeys(api_keys)  # bad values: before loading
+    recorder = None if record is None else Recorder(record)
     scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes,
                     prompt_cache_dir, prompt_cache_dir_bytes)
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
@@ -599,7 +606,8 @@ def create_server(model: str | None = None, draft: str | None = None, *,
                     rank_timeout=rank_timeout).start()
     return Server(worker, served_model_name or worker.pair.name, max_context=max_context,
                   default_max_tokens=default_max_tokens, block_size=block_size,
-                  reasoning=reasoning, keys=keys, keepalive=keepalive, kv=kv_settings)
+                  reasoning=reasoning, keys=keys, keepalive=keepalive, kv=kv_settings,
+                  recorder=recorder)
 
 
 def sharded_ranks() -> Ranks | None:
