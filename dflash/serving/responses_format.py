@@ -51,6 +51,7 @@ from .requests import (
     generation_settings,
     ignore_unknown,
     parse_checked_tools,
+    parse_grammar,
 )
 from .tools import AnswerSplitter, ToolSpec, check_function, parse_arguments
 
@@ -254,6 +255,24 @@ def _leading_system(messages: list[dict], instructions: str | None) -> list[dict
     return head + messages[k:]
 
 
+def responses_grammar(fmt: dict | None, tokenizer, served: ServedModel):
+    """``text.format`` (``json_object``; ``json_schema`` with ``schema`` beside ``name`` and
+    ``strict``, as the Responses API puts it) as the grammar the answer must match."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
+                                                      "schema": fmt.get("schema")}}
+    try:
+        return parse_grammar({"response_format": fmt}, tokenizer, served.vocab_size)
+    except APIError as e:
+        def where(s: str) -> str:
+            return s.replace("response_format.json_schema", "text.format").replace(
+                "response_format", "text.format")
+        raise APIError(e.status, where(e.message), param=where(e.param or ""),
+                       code=e.code) from None
+
+
 def parse_responses_request(body: dict, tokenizer, served: ServedModel,
                             store: ResponseStore | None = None,
                             scope: str = "") -> ResponsesRequest:
@@ -270,9 +289,9 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
     if text is not None and (not isinstance(text, dict) or (
-            fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"))):
-        raise _bad("text.format: structured outputs are not supported (only {\"type\": "
-                   "\"text\"})", "text.format")
+            fmt is not None and not isinstance(fmt, dict))):
+        raise _bad("text.format: an object ({\"type\": \"text\"}, \"json_object\" or "
+                   "\"json_schema\")", "text.format")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions: must be a string", "instructions")
@@ -310,6 +329,7 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
         raise APIError(e.status, e.message.replace("max_tokens", "max_output_tokens"),
                        param="max_output_tokens", code=e.code) from None
     req.settings.logprobs = parse_logprobs("responses", body)[0]
+    req.settings.grammar = responses_grammar(fmt, tokenizer, served)
     echo = {"instructions": instructions, "tools": tools_echo,
             "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
