@@ -137,3 +137,18 @@ def test_bad_grammars_are_400_naming_the_field(server, extra, param, words):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_responses_text_format(client, server):
+    r = client.responses.create(model=MODEL_NAME, input="Judge it.", max_output_tokens=64,
+                                temperature=0, text={"format": {
+                                    "type": "json_schema", "name": "verdict", "schema": SCHEMA,
+                                    "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    parsed = client.responses.parse(model=MODEL_NAME, input="Judge it.", text_format=Verdict,
+                                    max_output_tokens=64, temperature=0)
+    assert isinstance(parsed.output_parsed, Verdict)
+    bad = httpx.post(server["base"] + "/v1/responses", timeout=60, json={
+        "model": MODEL_NAME, "input": "x",
+        "text": {"format": {"type": "json_schema", "name": "v", "schema": {"type": "objekt"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema"
