@@ -21,6 +21,7 @@ import json
 import os
 import struct
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,8 +269,9 @@ class CacheFolder:
     """The cache files of one scope: ``root/<pair fingerprint>/<tokens digest>.safetensors``, at
     most ``max_bytes`` of them on disk, least recently used (file times) removed first.
 
-    Writes run on a thread of their own (the arrays are evaluated before they are handed over,
-    and MLX arrays are immutable), so a reply is never held up by the disk."""
+    Writes run one at a time on a thread of their own (the arrays are evaluated before they are
+    handed over, and MLX arrays are immutable), so a reply is never held up by the disk and two
+    writes never evict at once."""
 
     def __init__(self, root: str | Path, max_bytes: int):
         self.root, self.max_bytes = Path(root), max_bytes
@@ -277,7 +279,8 @@ class CacheFolder:
         self._headers: dict[str, dict[Path, Header]] = {}
         self._sizes: dict[Path, int] = {}
         self._lock = threading.Lock()
-        self._pending: list[threading.Thread] = []
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-cache-write")
+        self._pending: list[Future] = []
         for tmp in self.root.glob(f"*/.*.tmp*{SUFFIX}"):  # left by a killed writer
             tmp.unlink(missing_ok=True)
         for f in self.root.glob(f"*/*{SUFFIX}"):
@@ -325,18 +328,16 @@ class CacheFolder:
         header = Header(path, np.asarray(entry.tokens, np.int64), sorted(entry.snapshots),
                         bool(entry._recurrent()), entry.is_trimmable(), entry.nbytes)
         self.headers(fingerprint)  # scanned before the new file appears
-        thread = threading.Thread(target=self._write, args=(fingerprint, header, arrays,
-                                                            metadata), daemon=True)
+        written = self._writer.submit(self._write, fingerprint, header, arrays, metadata)
         with self._lock:
-            self._pending = [t for t in self._pending if t.is_alive()] + [thread]
-        thread.start()
+            self._pending = [f for f in self._pending if not f.done()] + [written]
 
     def flush(self) -> None:
         """Wait for the writes started so far."""
         with self._lock:
             pending = list(self._pending)
-        for t in pending:
-            t.join()
+        for f in pending:
+            f.result()
 
     def _write(self, fingerprint: str, header: Header, arrays: dict, metadata: dict) -> None:
         path = header.path
