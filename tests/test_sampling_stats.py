@@ -662,9 +662,9 @@ def test_lookup_chains_accepted_as_if_greedy_fail_the_same_test(pair, raw_table,
     trusted more than the target's probability of it) must be caught."""
     accept = BlockSampler.accept
 
-    def broken(self, target_logits, proposals, q, history):
-        if q is not None or self.greedy:
-            return accept(self, target_logits, proposals, q, history)
+    def broken(self, target_logits, proposals, q, history, allowed=None):
+        if q is not None or self.greedy or allowed is not None:
+            return accept(self, target_logits, proposals, q, history, allowed)
         a, bonus = accept(self, target_logits, proposals, q, history)
         if a < len(proposals) and self.rng.random() < 0.5:  # a rejection turned into acceptance
             return a + 1, accept(self, target_logits[a + 1:], [], None, history)[1]
