@@ -143,6 +143,30 @@ def copy_v1_weights(draft: DFlashDraftModel, v1: DFlashDraftModel) -> list[str]:
     return sorted(src)
 
 
+def grown_config(cfg: dict, extra: int) -> dict:
+    """A v1 drafter's config with ``extra`` more layers of its last layer's type."""
+    cfg = json.loads(json.dumps(cfg))
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    cfg["num_hidden_layers"] = n + extra
+    cfg["layer_types"] = list(types) + [types[-1]] * extra
+    return cfg
+
+
+def grow_identity_layers(draft: DFlashDraftModel, kept: int) -> None:
+    """Layers ``kept..`` become copies of layer ``kept - 1`` whose attention and MLP output
+    projections are zero (block expansion, as LLaMA Pro grows a model): each new layer adds
+    nothing to the residual stream, so the drafter's outputs are the ``kept``-layer drafter's
+    until training moves the zeroed projections, which get gradients from the first step."""
+    last = dict(tree_flatten(draft.layers[kept - 1].parameters()))
+    for layer in draft.layers[kept:]:
+        weights = [(name, mx.zeros_like(value) if name in ("self_attn.o_proj.weight",
+                                                            "mlp.down_proj.weight") else value)
+                   for name, value in last.items()]
+        layer.load_weights(weights, strict=True)
+    mx.eval(draft.parameters())
+
+
 def new_draft(cfg, v1: DFlashDraftModel | None = None) -> DFlashDraftModel:
     """The drafter a run starts from: random (DFlash2's new parts at :func:`init_dflash2`), then
     ``v1``'s tensors when upgrading or continuing a v1 drafter."""

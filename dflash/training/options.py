@@ -46,6 +46,10 @@ class TrainOptions:
         None, "start from this v1 drafter folder (its weights, taps, mask id, block size and "
         "draft vocabulary); with --arch dflash2 it is upgraded: identity convolutions and a zero "
         "successor codebook, so its first proposals are the v1 drafter's")
+    grow_layers: int = option(
+        0, "with --init-from: append this many layers to the drafter, each a copy of its last "
+        "layer with the attention and MLP output projections zeroed (block expansion), so the "
+        "grown drafter's first proposals are exactly its own; more depth without starting over")
     selector_weight: float = option(
         1.0, "DFlash2: weight of the selector's cross-entropy over its top-k candidates "
         "(teacher-forced predecessor) added to the DFlash loss; 0 leaves the selector untrained")
@@ -167,6 +171,9 @@ class TrainOptions:
             raise TrainConfigError("--loss kl needs the teacher's top-k (--soft-topk >= 1)")
         if self.arch not in ARCHS:
             raise TrainConfigError(f"--arch {self.arch!r}: one of {', '.join(ARCHS)}")
+        if self.grow_layers < 0 or (self.grow_layers and not self.init_from):
+            raise TrainConfigError(f"--grow-layers {self.grow_layers}: must be >= 0 and needs "
+                                   "--init-from (the drafter to grow)")
         if self.init_from and self.init != "none":
             raise TrainConfigError(f"--init {self.init} and --init-from: choose one (target "
                                    "layers or a v1 drafter)")

@@ -47,6 +47,8 @@ from .initialise import (
     dflash2_config_dict,
     draft_config_dict,
     export_draft,
+    grow_identity_layers,
+    grown_config,
     head_matrix,
     init_from_target,
     init_layer_ids,
@@ -145,6 +147,8 @@ class Trainer:
         # Drafter
         mx.random.seed(o.seed)
         self.draft = new_draft(self.cfg, v1)
+        if v1 is not None and len(self.draft.layers) > len(v1.layers):
+            grow_identity_layers(self.draft, len(v1.layers))
         if not saved and o.init != "none" and v1 is None:
             ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
                                  self.taps)
@@ -218,6 +222,8 @@ class Trainer:
                                    f"(vocab {cfg.get('vocab_size')}, taps "
                                    f"{v1.config.target_layer_ids})")
         cfg["dflash_config"].pop("draft_vocab_ids", None)  # the run exports its own
+        if o.grow_layers:
+            cfg = grown_config(cfg, o.grow_layers)
         if o.arch == "dflash2":
             cfg = self._as_dflash2(cfg, o.sliding_window or v1.config.sliding_window)
         return cfg, v1
@@ -432,6 +438,7 @@ class Trainer:
     def export(self, out: Path | None = None) -> Path:
         meta = {"step": self.step, "samples": len(self.samples), "seed": self.opts.seed,
                 "arch": self.opts.arch, "init_from": self.opts.init_from,
+                "grow_layers": self.opts.grow_layers,
                 "soft_weight": self.opts.loss_soft_weight, "loss": self.opts.loss,
                 "optimizer": self.opts.optimizer, "init": self.opts.init, "gamma": self.gamma,
                 "ranks": self.ranks.size}

@@ -27,10 +27,14 @@
 #        RUN (the run's folder name, arm-ARM), START (continue: the drafter folder to start
 #        from instead of final-v4, e.g. an earlier run's folder), LAYERS (fresh: the drafter's
 #        depth, 2), SEED_LAYERS (fresh: which target layers seed it, `--init`: spread, first, last,
-#        aligned or ids; none), LOSS (mix, kl or ce; mix)
+#        aligned or ids; none), LOSS (mix, kl or ce; mix), GROW (continue: layers appended to
+#        the drafter it starts from, `--grow-layers`: copies of its last layer with zeroed output
+#        projections, so the run starts at that drafter's τ; 0)
 #
 # The depth probe (3, 4, 5 layers seeded from the target's layers, forward KL, 2 CPU-h each):
 #   LAYERS=4 SEED_LAYERS=spread LOSS=kl RUN=probe-l4 bash recipes/smollm2/arms.sh fresh
+# Depth without starting over (final-v4 grown to 4 layers):
+#   GROW=2 LR=3e-4 RUN=grow-l4 bash recipes/smollm2/arms.sh continue
 # Needs: bash recipes/smollm2/build.sh records (the old records under $DFLASH_HOME/data/smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,7 +69,8 @@ case $ARM in
       fi
     fi
     [ -f "$START/config.json" ] || { echo "arms.sh: START=$START has no config.json" >&2; exit 2; }
-    INIT=(--init-from "$START") ;;
+    INIT=(--init-from "$START")
+    [ "${GROW:-0}" = 0 ] || INIT+=(--grow-layers "$GROW") ;;
   fresh) INIT=(--taps 1,8,14,20,27)
          [ "${SEED_LAYERS:-none}" = none ] || INIT+=(--init "$SEED_LAYERS") ;;
   *) echo "arms.sh: expected continue or fresh, got '$ARM'" >&2; exit 2 ;;
