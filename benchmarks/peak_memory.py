@@ -41,7 +41,7 @@ def one_side(side: str, prompt_ids: list[int], max_tokens: int) -> dict:
 
 
 def prompts_at(context: int, max_tokens: int, prompts: str, limit: int | None) -> list[list[int]]:
-    from dflash.bench import load_prompts
+    from dflash.bench_runs import load_prompts
     from dflash.contexts import at_context
     from dflash.model_mlx import load_default
     from dflash.prompts import encode_prompt

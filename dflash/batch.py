@@ -45,7 +45,7 @@ Design:
   when the rows' continuations beat drafting, the pass has no drafter pass at all (rows without
   one take a plain step in it).
 * **Per sequence**: sampling settings, seeds, penalties, stops and limits are the
-  single-sequence engine's (:func:`~dflash.speculative.build_request`, ``BlockSampler.accept``,
+  single-sequence engine's (:func:`~dflash.request.build_request`, ``BlockSampler.accept``,
   :func:`~dflash.speculative.emit`), so greedy output equals the target alone and sampled output
   keeps its distribution.
 
@@ -62,7 +62,6 @@ single-sequence engine (each step advances each of them by one cycle).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from collections.abc import Generator, Sequence
@@ -94,15 +93,15 @@ from .policy.agreed import agreed_batch
 from .policy.memory import PairMemory
 from .prompt_cache import CacheEntry, PromptCache
 from .ragged_cache import RaggedArraysCache, RaggedKVCache, append_rows
+from .request import DecodeRequest, build_request
 from .sampling import _is_int, check_decode_settings
+from .settings import ENGINE_HOME, GenerationSettings
 from .speculative import (
-    DecodeRequest,
     DecodeState,
     Detokenizer,
     DFlashResponse,
     GenerationResult,
     StepResult,
-    build_request,
     count_step,
     emit,
     first_token,
@@ -121,18 +120,6 @@ from .target import (
     target_parts,
 )
 
-# Settings of the whole engine (given to BatchGenerator), not of one request.
-ENGINE_SETTINGS = ("block_size", "policy", "min_confidence", "tree_budget", "prefill_step_size",
-                   "memory")
-# Where each engine setting is given instead (None: BatchGenerator has none).
-ENGINE_SETTING_HOME = {"block_size": "BatchGenerator(block_size=...)",
-                       "policy": "BatchGenerator(policy=...)",
-                       "prefill_step_size": "BatchGenerator(prefill_chunk=...)",
-                       "memory": "BatchGenerator(memory=...)",
-                       "min_confidence": None, "tree_budget": None}
-REQUEST_SETTINGS = tuple(name for name in inspect.signature(build_request).parameters
-                         if name not in ("parts", "draft", "tokenizer", "prompt")
-                         and name not in ENGINE_SETTINGS)
 # Most plain one-token steps a lone sequence takes in one engine step (the single-sequence policy
 # backs off for up to MAX_BACKOFF): a request arriving meanwhile waits at most these.
 LONE_STRETCH = 16
@@ -262,23 +249,21 @@ class BatchGenerator:
     # -- requests -----------------------------------------------------------------------------
 
     def insert(self, prompt: str | Sequence[int], prompt_cache: PromptCache | None = None,
-               **settings) -> int:
+               settings: GenerationSettings | None = None, **kwargs) -> int:
         """Queue a prompt with the settings of :func:`~dflash.speculative.stream_generate`
-        (checked now: a typed error names the field); its uid. ``prompt_cache``: the prefix
-        cache its prefill starts from and is kept in (``None``: the batch's)."""
-        for name, value in settings.items():
-            if name in ENGINE_SETTINGS:
-                home = ENGINE_SETTING_HOME[name]
-                raise GenerationConfigError(
-                    f"{name}={value!r}: a setting of the whole batch ({home}), not of one request"
-                    if home else f"{name}={value!r}: not a setting of BatchGenerator; "
-                    "stream_generate does take it")
-            if name not in REQUEST_SETTINGS:
-                raise GenerationConfigError(f"{name}: not a generation setting")
-        request = build_request(self.parts, self.draft, self.tokenizer, prompt,
-                                block_size=self.block_size, policy=self.policy,
-                                prefill_step_size=self.prefill_chunk, memory=self.memory,
-                                **settings)
+        (``settings=`` and/or keywords, checked now: a typed error names the field); its uid.
+        ``prompt_cache``: the prefix cache its prefill starts from and is kept in (``None``: the
+        batch's)."""
+        settings = GenerationSettings.from_call((), settings, **kwargs)
+        for name, value in settings.engine_settings_given().items():
+            home = ENGINE_HOME[name]
+            raise GenerationConfigError(
+                f"{name}={value!r}: a setting of the whole batch ({home}), not of one request"
+                if home else f"{name}={value!r}: not a setting of BatchGenerator; "
+                "stream_generate does take it")
+        request = build_request(self.parts, self.draft, self.tokenizer, prompt, settings.replace(
+            block_size=self.block_size, policy=self.policy, prefill_step_size=self.prefill_chunk,
+            memory=self.memory))
         if request.kv is not None and self.fallback is None:
             # mlx-lm batches no quantized cache (its BatchKVCache cannot convert, its
             # BatchGenerator takes no kv_bits, its server decodes kv_bits requests one at a
@@ -721,20 +706,22 @@ class BatchGenerator:
 def batch_generate(model, draft, tokenizer, prompts: Sequence[str | Sequence[int]], *,
                    max_batch: int = 8, prefill_chunk: int = 256, block_size: int | None = None,
                    policy: str = "auto", memory: PairMemory | None = None,
-                   **settings) -> list[GenerationResult]:
+                   settings: GenerationSettings | None = None,
+                   **kwargs) -> list[GenerationResult]:
     """Generate for every prompt through one :class:`BatchGenerator`; results in input order.
 
-    ``settings`` are :func:`~dflash.speculative.stream_generate`'s (``max_tokens``,
-    ``temperature``, ``stop``, ...), the same for every prompt.
+    The settings are :func:`~dflash.speculative.stream_generate`'s (``settings=`` and/or
+    keywords: ``max_tokens``, ``temperature``, ``stop``, ...), the same for every prompt.
     """
+    settings = GenerationSettings.from_call((), settings, **kwargs)
     engine = BatchGenerator(model, draft, tokenizer, max_batch=max_batch,
                             prefill_chunk=prefill_chunk, block_size=block_size, policy=policy,
                             memory=memory)
-    uids = [engine.insert(p, **settings) for p in prompts]
+    uids = [engine.insert(p, settings=settings) for p in prompts]
     text: dict[int, list[str]] = {u: [] for u in uids}
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     last: dict[int, DFlashResponse] = {}
-    asked = settings.get("logprobs") is not None
+    asked = settings.logprobs is not None
     scores: dict[int, list | None] = {u: [] if asked else None for u in uids}
     prompt_scores: dict[int, list | None] = {u: None for u in uids}
     with generation_context(model):  # as mlx-lm's batch_generate: the wired limit (Metal)

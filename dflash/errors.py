@@ -160,3 +160,9 @@ class CLIError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+class BenchConfigError(DFlashError):
+    """A ``dflash bench`` setting that cannot be used: a block-size sweep that does not parse or
+    holds a size below 2, a repeat count, prompt limit, concurrency or batch size below 1, a
+    ``lookup`` that is not True, False or a sequence of them."""

@@ -36,8 +36,9 @@ def load_default():
 
 from .batch import BatchEvent, BatchGenerator, batch_generate  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
+from .settings import GenerationSettings  # noqa: E402
 from .speculative import DFlashResponse, GenerationResult, generate, stream_generate  # noqa: E402
 
 __all__ = ["configure", "load", "load_draft", "load_default", "stream_generate", "generate",
            "DFlashResponse", "GenerationResult", "PromptCache", "batch_generate",
-           "BatchGenerator", "BatchEvent"]
+           "BatchGenerator", "BatchEvent", "GenerationSettings"]

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,10 +14,9 @@ from .backend import CLEAR_CACHE_EVERY, generation_context, pass_stream
 from .cost_model import PassCosts, cost_model
 from .distributed import model_ranks, shard_count
 from .drafter import full_logits
-from .errors import GenerationConfigError
-from .grammar import FINISH_REASON, BoundGrammar, Constrained, Grammar, GrammarState, apply_mask
-from .logprobs import PromptScorer, TokenLogprob, check_logprobs, log_softmax, read_logprobs
-from .lookup import MAX_CHAIN, ContextLookup, ContinuationIndex, best_match, continuations
+from .grammar import FINISH_REASON, Constrained, GrammarState, apply_mask
+from .logprobs import PromptScorer, TokenLogprob
+from .lookup import MAX_CHAIN, ContextLookup, best_match, continuations
 from .policy import (
     MAX_BACKOFF,
     Candidates,
@@ -30,25 +28,17 @@ from .policy import (
     Policy,
     Tree,
     Unverified,
-    check_policy,
-    check_tree_budget,
-    check_trees_possible,
     draft_candidates,
     make_policy,
     policy_class,
 )
 from .policy.agreed import agreed
-from .policy.memory import PairMemory, memory_of
+from .policy.memory import memory_of
 from .prompt_cache import CacheEntry, PromptCache
-from .prompts import encode_text
-from .sampling import BlockSampler, SamplingConfig, check_decode_settings
+from .request import DecodeRequest, build_request
+from .settings import GenerationSettings
 from .target import (
-    QUANTIZED_KV_START,
-    KVQuantization,
-    TargetParts,
     VerifyTrace,
-    check_compatible,
-    check_prompt_length,
     commit_tree_path,
     forward,
     make_cache,
@@ -110,15 +100,6 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # ``prompt_logprobs=True``
 
 
-def _stop_sequences(stop: str | Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise GenerationConfigError(f"stop={stop!r}: stop strings must be non-empty strings")
-    return stops
-
-
 class Detokenizer:
     """Incremental text with stop strings; wraps mlx-lm's streaming detokenizer."""
 
@@ -156,11 +137,14 @@ class Detokenizer:
 
 def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.array, *args,
                     prompt_cache: PromptCache | None = None,
-                    **settings) -> Generator[DFlashResponse, None, None]:
+                    settings: GenerationSettings | None = None,
+                    **kwargs) -> Generator[DFlashResponse, None, None]:
     """Generate with DFlash speculative decoding, yielding one response per cycle.
 
-    The settings are :func:`build_request`'s (``block_size``, ``max_tokens``, sampling, stops,
-    ``policy`` ...; see docs/api.md).
+    The settings are the fields of :class:`~dflash.settings.GenerationSettings` (``max_tokens``,
+    sampling, stops, ``block_size``, ``policy`` ...; docs/api.md): given as ``settings=``, as
+    keywords (which override ``settings``' fields), or the first few by position in mlx-lm's
+    order (:data:`~dflash.settings.POSITIONAL`).
 
     Greedy output equals the target's own greedy output token for token; sampled output has the
     target's distribution under the same settings (see :mod:`dflash.sampling`). A
@@ -181,209 +165,10 @@ def stream_generate(model, draft, tokenizer, prompt: str | Sequence[int] | mx.ar
     earlier generations of the pair measured; default: the one the drafter holds as
     ``draft.policy_memory``, else none). Outputs never depend on the policy.
     """
+    settings = GenerationSettings.from_call(args, settings, **kwargs)
     parts = target_parts(model)
-    request = build_request(parts, draft, tokenizer, prompt, *args, **settings)
+    request = build_request(parts, draft, tokenizer, prompt, settings)
     return run_request(parts, draft, tokenizer, request, prompt_cache)
-
-
-def build_request(
-    parts: TargetParts,
-    draft,
-    tokenizer,
-    prompt: str | Sequence[int] | mx.array,
-    block_size: int | None = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    seed: int | None = None,
-    *,
-    logit_bias: dict[int, float] | None = None,
-    sampler: Callable[[mx.array], mx.array] | None = None,
-    logits_processors: Sequence[Callable] | None = None,
-    proposal: str | None = None,
-    presence_context_size: int = 20,
-    frequency_context_size: int = 20,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    prefill_step_size: int = 2048,
-    prompt_progress_callback: Callable[[int, int], None] | None = None,
-    min_confidence: float | None = None,
-    policy: str | None = None,
-    tree_budget: int | None = None,
-    lookup: bool = True,
-    memory: PairMemory | None = None,
-    index: ContinuationIndex | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = QUANTIZED_KV_START,
-    grammar: Grammar | BoundGrammar | None = None,
-    logprobs: int | None = None,
-    prompt_logprobs: bool = False,
-) -> DecodeRequest:
-    """Validate ``prompt`` and the settings of :func:`stream_generate` (typed errors naming the
-    field) into a :class:`DecodeRequest`; shared by the single-sequence and batched engines."""
-    check_compatible(parts, draft)
-    block_size = draft.block_size if block_size is None else block_size
-    if policy is None:
-        policy = "auto" if min_confidence is None else "confidence"
-    min_confidence = 0.0 if min_confidence is None else min_confidence
-    check_decode_settings(block_size, max_tokens, prefill_step_size, min_confidence)
-    window = getattr(draft, "window", None)
-    if isinstance(window, int) and block_size > window:  # its last rows would see no context
-        raise GenerationConfigError(
-            f"block_size={block_size}: more than the draft window ({window} tokens)")
-    check_policy(policy)
-    if memory is not None and not isinstance(memory, PairMemory):
-        raise GenerationConfigError(
-            f"memory={type(memory).__name__}: a dflash.policy.memory.PairMemory (or None)")
-    if index is not None and not isinstance(index, ContinuationIndex):
-        raise GenerationConfigError(
-            f"index={type(index).__name__}: a dflash.lookup.ContinuationIndex (or None)")
-    if tree_budget is not None:  # now, not at the first token: its range is the cost model's
-        check_tree_budget(tree_budget, cost_model(parts, draft)
-                          if policy_class(policy).needs_cost else None)
-    if proposal is None:
-        # Sampled proposals accept more at T > 0 (docs/sampling.md); at T = 0 both modes are the
-        # same. A custom sampler has no q to reject against.
-        proposal = "argmax" if sampler is not None else "sample"
-    cfg = SamplingConfig(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-        presence_penalty=presence_penalty, presence_context_size=presence_context_size,
-        frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
-        logit_bias=logit_bias, sampler=sampler, logits_processors=logits_processors,
-        proposal=proposal, seed=seed)
-    cfg.validate(parts.vocab_size)
-    stops = _stop_sequences(stop)
-    kv = KVQuantization.from_settings(kv_bits, kv_group_size, quantized_kv_start)
-    if kv is not None:
-        kv.check_target(parts)
-        if policy == "tree":
-            raise GenerationConfigError(
-                f"policy='tree' with kv_bits={kv_bits}: a quantized KV cache verifies chains "
-                "(policy 'auto', 'fixed' or 'confidence')")
-    check_trees_possible(policy, tree_supported(parts, make_cache(parts, kv)))
-    bound = _bind_grammar(grammar, tokenizer, parts, policy)
-
-    if isinstance(prompt, str):
-        prompt_ids = encode_text(tokenizer, prompt)
-    else:
-        prompt_ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
-    if not prompt_ids:
-        raise GenerationConfigError("prompt: must hold at least one token")
-    if any(not 0 <= t < parts.vocab_size for t in prompt_ids):
-        raise GenerationConfigError("prompt: token id outside the target vocabulary")
-    check_prompt_length(parts, len(prompt_ids))
-    check_logprobs(logprobs, parts.vocab_size)
-    if not isinstance(prompt_logprobs, bool):
-        raise GenerationConfigError(f"prompt_logprobs={prompt_logprobs!r}: must be True or False")
-    stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    stop_ids |= {int(t) for t in stop_token_ids or ()}
-
-    return DecodeRequest(
-        prompt_ids=prompt_ids, block_size=block_size, max_tokens=max_tokens,
-        sampler=BlockSampler(cfg), stops=stops, stop_ids=stop_ids,
-        prefill_step_size=prefill_step_size, progress=prompt_progress_callback,
-        min_confidence=float(min_confidence), policy=policy, tree_budget=tree_budget,
-        lookup=bool(lookup), memory=memory, index=index, kv=kv, grammar=bound,
-        logprobs=None if logprobs is None else int(logprobs), prompt_logprobs=prompt_logprobs)
-
-
-def _bind_grammar(grammar, tokenizer, parts: TargetParts, policy: str) -> BoundGrammar | None:
-    """``grammar`` checked against the tokenizer and the settings it cannot go with (typed errors
-    naming the setting: never an answer silently unconstrained)."""
-    if grammar is None:
-        return None
-    if not isinstance(grammar, (Grammar, BoundGrammar)):
-        raise GenerationConfigError(
-            f"grammar={type(grammar).__name__}: a dflash.grammar.Grammar (Grammar.json_schema, "
-            "Grammar.regex, Grammar.lark, Grammar.json_object) or None")
-    if policy == "tree":
-        # Each node of a tree would need the grammar state of its own path: chains only.
-        raise GenerationConfigError(
-            "policy='tree' with a grammar: constrained decoding verifies chains (policy 'auto', "
-            "'fixed' or 'confidence'; 'auto' then verifies no trees)")
-    if shard_count(parts) > 1:
-        raise GenerationConfigError(
-            "grammar: a sharded target does not decode with a grammar (every rank would have to "
-            "mask its rows alike); serve the model on one machine for structured outputs")
-    if isinstance(grammar, BoundGrammar):
-        if grammar.vocab_size != parts.vocab_size:
-            raise GenerationConfigError(
-                f"grammar: bound to {grammar.vocab_size} token ids, the target has "
-                f"{parts.vocab_size}")
-        return grammar
-    return grammar.bind(tokenizer, parts.vocab_size)
-
-
-def _signature() -> inspect.Signature:
-    """:func:`stream_generate`'s signature: :func:`build_request`'s settings (defined once, there),
-    the model in place of its parts, and the prompt cache."""
-    params = list(inspect.signature(build_request).parameters.values())
-    params[0] = params[0].replace(name="model", annotation=inspect.Parameter.empty)
-    cache = inspect.Parameter("prompt_cache", inspect.Parameter.KEYWORD_ONLY, default=None,
-                              annotation="PromptCache | None")
-    return inspect.Signature(params + [cache],
-                             return_annotation="Generator[DFlashResponse, None, None]")
-
-
-stream_generate.__signature__ = _signature()
-
-
-@dataclass
-class DecodeRequest:
-    """What one generation asks for, validated by :func:`stream_generate`."""
-
-    prompt_ids: list[int]
-    block_size: int
-    max_tokens: int
-    sampler: BlockSampler
-    stops: list[str]
-    stop_ids: set[int]
-    prefill_step_size: int = 2048
-    progress: Callable[[int, int], None] | None = None
-    min_confidence: float = 0.0
-    policy: str = "auto"
-    tree_budget: int | None = None
-    lookup: bool = True  # auto also verifies the context's own continuation (dflash.lookup)
-    memory: PairMemory | None = None  # what earlier generations taught (None: the drafter's)
-    index: ContinuationIndex | None = None  # earlier requests' text (dflash.lookup); told this one's
-    kv: KVQuantization | None = None  # the target's quantized KV cache (None: float)
-    grammar: BoundGrammar | None = None  # what the answer must match (dflash.grammar)
-    # Each emitted token's log-probability with this many alternatives (None: not computed);
-    # ``prompt_logprobs``: the prompt's too (the same number of alternatives, 0 if None).
-    logprobs: int | None = None
-    prompt_logprobs: bool = False
-
-    def scored(self, logits: mx.array, tokens: list[int]) -> list[TokenLogprob] | None:
-        """The log-probabilities of ``tokens``, row ``i`` of raw ``logits`` ``(R, V)`` scoring
-        ``tokens[i]`` (``None``: not asked, nothing computed)."""
-        if self.logprobs is None:
-            return None
-        return read_logprobs(log_softmax(logits[:len(tokens)]), tokens, self.logprobs)
-
-    @property
-    def priced_kv(self) -> KVQuantization | None:
-        """The cache kind this request's passes cost as: a quantized cache that converts only
-        past the last token it will hold (prompt and ``max_tokens``) runs on float keys
-        throughout, and is priced so."""
-        if self.kv is None:
-            return None
-        switch = self.kv.switch_offset(len(self.prompt_ids), self.prefill_step_size)
-        return self.kv if switch < len(self.prompt_ids) + self.max_tokens else None
-
-    def target_cache(self, parts: TargetParts) -> list:
-        """Fresh target caches; quantized ones switch where mlx-lm's decoding switches."""
-        if self.kv is None:
-            return make_cache(parts)
-        return make_cache(parts, self.kv, self.kv.switch_offset(len(self.prompt_ids),
-                                                                self.prefill_step_size))
 
 
 @dataclass
@@ -992,12 +777,16 @@ def snapshot(stats: DFlashResponse, text: str, tokens: list[int], finish) -> DFl
     return out
 
 
-def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> GenerationResult:
+def generate(model, draft, tokenizer, prompt, verbose: bool = False, *,
+             prompt_cache: PromptCache | None = None, settings: GenerationSettings | None = None,
+             **kwargs) -> GenerationResult:
     """Non-streaming :func:`stream_generate`: the whole text, the tokens and the final statistics
     (with ``logprobs=N``, every token's log-probability; ``prompt_logprobs``, the prompt's)."""
+    settings = GenerationSettings.from_call((), settings, **kwargs)
     text, tokens, last = [], [], None
     scores, prompt_scores = None, None
-    for r in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+    for r in stream_generate(model, draft, tokenizer, prompt, prompt_cache=prompt_cache,
+                             settings=settings):
         text.append(r.text)
         tokens.extend(r.tokens)
         last = r
@@ -1009,7 +798,7 @@ def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -
             print(r.text, end="", flush=True)
     if verbose:
         print()
-    if kwargs.get("logprobs") is not None and scores is None:
+    if settings.logprobs is not None and scores is None:
         scores = []  # asked, and no token came
     return GenerationResult("".join(text), tokens, last.finish_reason, last, scores,
                             prompt_scores)

@@ -430,7 +430,7 @@ def test_batch_width_turns_into_plain_decoding_as_the_batch_grows():
 
 
 def test_concurrency_bench_reports_both_engines(loaded_pair, tiny_pair):
-    from dflash.bench import format_concurrency, run_concurrency_bench
+    from dflash.bench_concurrency import format_concurrency, run_concurrency_bench
     from dflash.pair import Pair
 
     model, tokenizer, draft = loaded_pair("llama")

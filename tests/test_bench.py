@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash import bench
+from dflash import bench, bench_report, bench_runs
 from dflash.pair import Pair
 
 KIND = "llama"
@@ -59,7 +59,7 @@ def test_sweep_reports_everything(pair, tmp_path):
     assert "| block size | τ |" in md and "| **all** |" in md and "Acceptance by block" in md
     for png in ("speedup.png", "acceptance.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "block 4:" in bench.format_summary(result)
+    assert "block 4:" in bench_report.format_summary(result)
 
 
 def test_acceptance_is_measured(pair, loaded_pair):
@@ -98,7 +98,7 @@ def test_difference_from_mlx_lm_is_reported(pair, monkeypatch):
     assert result["identical"] is False
     assert result["runs"][0]["prompts"][0]["first_difference"] == 3
     assert any("WARNING" in line for line in logs)
-    assert "**no**" in bench.markdown(result)
+    assert "**no**" in bench_report.markdown(result)
 
 
 def test_sampling_makes_identity_not_applicable(pair):
@@ -110,22 +110,22 @@ def test_sampling_makes_identity_not_applicable(pair):
 
 
 def test_builtin_prompts_and_inputs(tmp_path):
-    source, items = bench.load_prompts("builtin")
+    source, items = bench_runs.load_prompts("builtin")
     assert source == "builtin" and len(items) >= 6
     assert any(i["id"].startswith("math") for i in items)
     assert any(i["id"].startswith("code") for i in items)
-    assert len(bench.load_prompts("builtin", limit=2)[1]) == 2
+    assert len(bench_runs.load_prompts("builtin", limit=2)[1]) == 2
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps(
         {"messages": [{"role": "user", "content": "b"}]}) + "\n")
-    assert [("prompt" in i, "messages" in i) for i in bench.load_prompts(path)[1]] == [
+    assert [("prompt" in i, "messages" in i) for i in bench_runs.load_prompts(path)[1]] == [
         (True, False), (False, True)]
-    assert bench.parse_block_sizes(None) == [None]
-    assert bench.parse_block_sizes("4, 8,16") == [4, 8, 16]
-    assert bench.parse_block_sizes(8) == [8]
+    assert bench_runs.parse_block_sizes(None) == [None]
+    assert bench_runs.parse_block_sizes("4, 8,16") == [4, 8, 16]
+    assert bench_runs.parse_block_sizes(8) == [8]
     for bad in ("", "4,x", "1", [0]):
         with pytest.raises(ValueError):
-            bench.parse_block_sizes(bad)
+            bench_runs.parse_block_sizes(bad)
     with pytest.raises(ValueError):
         bench.run_bench(prompts=tmp_path / "missing.jsonl")
     with pytest.raises(ValueError):
@@ -138,9 +138,9 @@ def test_reports_show_portable_paths(tmp_path, monkeypatch):
     from dflash.default_pair import default_draft_path
 
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
-    assert bench.shown_path(str(default_draft_path())) == \
+    assert bench_report.shown_path(str(default_draft_path())) == \
         "dflash/assets/" + default_draft_path().name
     cached = tmp_path / "home" / "smollm2-135m-instruct-f32"
-    assert bench.shown_path(str(cached)) == "$DFLASH_HOME/smollm2-135m-instruct-f32"
+    assert bench_report.shown_path(str(cached)) == "$DFLASH_HOME/smollm2-135m-instruct-f32"
     elsewhere = tmp_path / "elsewhere" / "drafter"
-    assert bench.shown_path(str(elsewhere)) == str(elsewhere)
+    assert bench_report.shown_path(str(elsewhere)) == str(elsewhere)

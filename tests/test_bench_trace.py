@@ -7,7 +7,7 @@ import json
 import pytest
 import test_bench
 
-from dflash import bench, cli
+from dflash import bench_trace, cli
 from dflash.errors import TraceFileError
 from dflash.traces import DEFAULT_MAX_TOKENS, Replay, load_trace, read_trace
 
@@ -155,7 +155,7 @@ def test_cli_no_index_needs_a_trace(capsys):
 @pytest.mark.slow
 def test_trace_replay_reports_every_turn(pair, tmp_path):
     logs = []
-    result = bench.run_trace_bench(CONVERSATIONS, pair=pair, repeats=2, out=tmp_path,
+    result = bench_trace.run_trace_bench(CONVERSATIONS, pair=pair, repeats=2, out=tmp_path,
                                    log=logs.append)
     assert result["identical"] is True and result["differing"] == []
     rows = result["turns"]
@@ -166,7 +166,7 @@ def test_trace_replay_reports_every_turn(pair, tmp_path):
     progress = [m for m in logs if m.startswith("[")]
     assert len(progress) == 30 and logs[0].startswith("warming up")
     assert sum("mlx-lm:" in m for m in progress) == 10
-    sources = set(bench.SOURCES)
+    sources = set(bench_trace.SOURCES)
     for r in rows:
         assert r["identical"] is True
         assert r["first_difference"] == {"dflash": None, "dflash_prompt_cache": None}
@@ -201,7 +201,7 @@ def test_trace_replay_reports_every_turn(pair, tmp_path):
     assert saved["turns"][2]["retry"] is True and saved["identical"] is True
     md = (tmp_path / "bench.md").read_text()
     assert "| edit 3 (retry) |" in md and "| **all** |" in md
-    summary = bench.format_trace_summary(result)
+    summary = bench_trace.format_trace_summary(result)
     assert "identical greedy outputs: yes" in summary and "cross-request index" in summary
 
 
@@ -209,28 +209,28 @@ def test_trace_replay_reports_every_turn(pair, tmp_path):
 def test_the_index_is_the_runs_own(pair):
     """Without the index no pass comes from it; with it, the retry (its answer written before in
     the same run) is where it can."""
-    off = bench.run_trace_bench(CONVERSATIONS[:1], pair=pair, index=False, warmup=False)
+    off = bench_trace.run_trace_bench(CONVERSATIONS[:1], pair=pair, index=False, warmup=False)
     assert off["identical"] is True and off["config"]["index"] is False
     assert all(r["dflash"]["passes"]["index"] == 0 for r in off["turns"])
-    on = bench.run_trace_bench(CONVERSATIONS[:1], pair=pair, warmup=False)
+    on = bench_trace.run_trace_bench(CONVERSATIONS[:1], pair=pair, warmup=False)
     assert [r["text"] for r in on["turns"]] == [r["text"] for r in off["turns"]]
     assert on["turns"][0]["dflash"]["passes"]["index"] == 0  # nothing earlier in the run
 
 
 @pytest.mark.slow
 def test_a_difference_from_mlx_lm_is_loud(pair, monkeypatch):
-    real = bench._run_baseline
+    real = bench_trace._run_baseline
 
     def wrong(*args, **kwargs):
         out = real(*args, **kwargs)
         out["tokens"] = out["tokens"][:2] + [out["tokens"][2] + 1] + out["tokens"][3:]
         return out
 
-    monkeypatch.setattr(bench, "_run_baseline", wrong)
+    monkeypatch.setattr(bench_trace, "_run_baseline", wrong)
     logs = []
-    result = bench.run_trace_bench(CONVERSATIONS[1:], pair=pair, warmup=False, log=logs.append)
+    result = bench_trace.run_trace_bench(CONVERSATIONS[1:], pair=pair, warmup=False, log=logs.append)
     assert result["identical"] is False
     assert result["turns"][0]["first_difference"] == {"dflash": 2, "dflash_prompt_cache": 2}
     assert "json turn 1 (dflash, token 2)" in result["differing"]
     assert any(m.startswith("WARNING: greedy outputs differ") for m in logs)
-    assert "NO:" in bench.format_trace_summary(result)
+    assert "NO:" in bench_trace.format_trace_summary(result)

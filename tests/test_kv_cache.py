@@ -155,15 +155,16 @@ def test_quantized_kv_start_defaults_to_mlx_lm():
 
     from dflash.cli import build_parser
     from dflash.serving import create_server
-    from dflash.speculative import stream_generate
+    from dflash.settings import GenerationSettings
     from dflash.target import QUANTIZED_KV_START
 
     mlx_lm_default = inspect.signature(generate_step).parameters["quantized_kv_start"].default
     assert QUANTIZED_KV_START == mlx_lm_default
     assert KVQuantization.from_settings(8).start == mlx_lm_default
     assert KVQuantization(8).start == mlx_lm_default
-    for fn in (stream_generate, create_server):
-        assert inspect.signature(fn).parameters["quantized_kv_start"].default == mlx_lm_default
+    assert GenerationSettings().quantized_kv_start == mlx_lm_default
+    assert inspect.signature(create_server).parameters["quantized_kv_start"].default == \
+        mlx_lm_default
     sub = build_parser(["generate"])._subparsers._group_actions[0].choices["generate"]
     option = next(a for a in sub._actions if a.dest == "quantized_kv_start")
     assert option.default is None and f"{mlx_lm_default} in mlx-lm" in option.help
@@ -172,13 +173,14 @@ def test_quantized_kv_start_defaults_to_mlx_lm():
 def test_kv_bits_alone_equals_mlx_lm_kv_bits_alone(kv_pair):
     """Neither side given ``quantized_kv_start``: the request switches where mlx-lm's default
     switches (the switch itself at any offset: the cases above), and the output is mlx-lm's."""
-    from dflash.speculative import build_request
+    from dflash.request import build_request
+    from dflash.settings import GenerationSettings
     from dflash.target import QUANTIZED_KV_START
 
     model, tokenizer, draft = kv_pair("llama")
     prompt = prompt_of(tokenizer, 40)
-    request = build_request(target_parts(model), draft, tokenizer, prompt, kv_bits=8,
-                            kv_group_size=32)
+    request = build_request(target_parts(model), draft, tokenizer, prompt,
+                            GenerationSettings(kv_bits=8, kv_group_size=32))
     assert request.kv.start == QUANTIZED_KV_START
     assert request.kv.switch_offset(len(prompt), 2048) == \
         KVQuantization(8, 32, QUANTIZED_KV_START).switch_offset(len(prompt), 2048)
@@ -436,7 +438,8 @@ def test_server_refuses_kv_bits_with_concurrency_before_loading():
 
 
 def test_cli_kv_options():
-    from dflash.cli import build_parser, kv_kwargs
+    from dflash.cli import build_parser
+    from dflash.cli_args import kv_kwargs
 
     for command in ("generate", "chat", "serve", "bench"):
         args = build_parser([command]).parse_args(
@@ -456,7 +459,7 @@ def test_cli_bench_kv_bits_only_with_the_prompt_bench(capsys):
 
 
 def test_kv_bytes_per_token_float_and_quantized(kv_pair):
-    from dflash.cli import kv_cost_line
+    from dflash.cli_bench import kv_cost_line
     from dflash.serving.worker import kv_bytes_per_token
 
     model, _, _ = kv_pair("llama")

@@ -21,11 +21,12 @@ LAYERS: dict[str, set[str]] = {
               "cache_files"},
     # What to verify each cycle and what it costs: pure decisions, below the engines that run them.
     "policy": {"policy.*", "cost_model"},
-    "engine": {"model_mlx", "pair", "speculative", "batch", "prompt_cache", "acceptance",
-               "stats"},
-    "tools": {"serving.*", "training.*", "bench", "convert", "convert_plan", "convert_card",
-              "export", "tau", "bound", "contexts", "traces"},
-    "top": {"cli", "__main__"},
+    "engine": {"model_mlx", "pair", "settings", "request", "speculative", "batch", "prompt_cache",
+               "acceptance", "stats"},
+    "tools": {"serving.*", "training.*", "bench", "bench_runs", "bench_report", "bench_trace",
+              "bench_concurrency", "convert", "convert_plan", "convert_card", "export", "tau",
+              "bound", "contexts", "traces"},
+    "top": {"cli", "cli_args", "cli_generate", "cli_serve", "cli_bench", "__main__"},
 }
 ORDER = list(LAYERS)
 # ``dflash/__init__.py`` (the package itself, "") imports nothing: ``import dflash`` has no effect.

@@ -32,6 +32,8 @@ from dflash.policy import (
     Unverified,
     make_policy,
 )
+from dflash.request import build_request
+from dflash.settings import GenerationSettings
 from dflash.target import forward, make_cache, target_parts
 
 N = 160
@@ -223,7 +225,8 @@ def test_drafter_context_caught_up_after_a_stretch_proposes_the_same(kind, pairs
     scores equal those of a context fed one token at a time."""
     model, tokenizer, draft, prompt, ref = pairs[kind]
     parts = target_parts(model)
-    request = sp.build_request(parts, draft, tokenizer, prompt, max_tokens=N, policy="fixed")
+    request = build_request(parts, draft, tokenizer, prompt,
+                            GenerationSettings(max_tokens=N, policy="fixed"))
 
     def state():
         s = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(prompt),
@@ -253,7 +256,8 @@ def test_a_stretch_keeps_one_piece_of_taps_per_step_joined_in_order(kind, pairs)
     are the taps one target pass over the same tokens gives (each row its token's, in order)."""
     model, tokenizer, draft, prompt, ref = pairs[kind]
     parts = target_parts(model)
-    request = sp.build_request(parts, draft, tokenizer, prompt, max_tokens=N, policy="fixed")
+    request = build_request(parts, draft, tokenizer, prompt,
+                            GenerationSettings(max_tokens=N, policy="fixed"))
     state = sp.DecodeState(make_cache(parts), draft.make_cache(), history=list(prompt),
                            fed=list(prompt), policy=make_policy("fixed", request.block_size))
     state.history.append(sp.first_token(request, state, sp._prefill(parts, draft, request,

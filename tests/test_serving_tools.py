@@ -302,8 +302,8 @@ def test_anthropic_bodies_translate_to_chat_requests(tool_tokenizer):
     assert prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert '{"name": "get_weather", "arguments": {"city": "Rome"}}' in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
-    kwargs = req.settings.engine_kwargs()
-    assert (kwargs["max_tokens"], kwargs["stop"], kwargs["temperature"], kwargs["top_k"]) == (
+    s = req.settings
+    assert (s.max_tokens, s.stop, s.temperature, s.top_k) == (
         16, ["END"], 0.5, 5)
     ignored = {"speed": "fast", "cache_control": {"type": "ephemeral"}, "service_tier": "auto"}
     assert parse_messages_request({**body, **ignored}, tool_tokenizer,

@@ -32,11 +32,11 @@ def test_requests_are_checked_by_the_engine_rules_and_the_api_limits():
     req = completion(temperature=0.5, top_k=40.0, repetition_penalty=1.0,
                      logit_bias={"5": -100}, seed=3, stream=True,
                      stream_options={"include_usage": True})
-    kwargs = req.settings.engine_kwargs()
-    assert kwargs["top_k"] == 40 and isinstance(kwargs["top_k"], int)
-    assert kwargs["repetition_penalty"] is None  # 1.0 is no penalty
-    assert kwargs["logit_bias"] == {5: -100.0}
-    assert kwargs["max_tokens"] == 16 and kwargs["proposal"] == "sample"
+    s = req.settings
+    assert s.top_k == 40 and isinstance(s.top_k, int)
+    assert s.repetition_penalty is None  # 1.0 is no penalty
+    assert s.logit_bias == {5: -100.0}
+    assert s.max_tokens == 16 and s.proposal == "sample"
     assert req.stream and req.include_usage and req.prompt_ids == [1, 2, 3]
     for fields, param in [({"temperature": -0.5}, "temperature"),  # the engine's rule
                           ({"temperature": 3}, "temperature"),  # OpenAI's limit

@@ -730,7 +730,8 @@ def _worker(target: str, draft: str, out: str) -> None:
     from mlx_lm.sample_utils import make_logits_processors
 
     from dflash import distributed
-    from dflash.cli import build_parser, encode
+    from dflash.cli import build_parser
+    from dflash.cli_args import encode
     from dflash.pair import load_pair
     from dflash.speculative import stream_generate
     from dflash.target import forward, make_cache, target_parts, tree_supported
@@ -856,7 +857,8 @@ def _kv_worker(target: str, draft: str, out: str, split: str) -> None:
     from mlx_lm.sample_utils import make_logits_processors
 
     from dflash import distributed
-    from dflash.cli import build_parser, encode
+    from dflash.cli import build_parser
+    from dflash.cli_args import encode
     from dflash.pair import load_pair
     from dflash.speculative import stream_generate
     from dflash.target import make_cache, target_parts

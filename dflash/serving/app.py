@@ -46,7 +46,9 @@ from ..lookup import DEFAULT_BUDGET
 from ..pair import Pair, load_pair
 from ..prompt_cache import DEFAULT_DISK_BYTES, DEFAULT_ENTRIES
 from ..ranks import Ranks
-from ..speculative import DFlashResponse, build_request
+from ..request import build_request
+from ..settings import GenerationSettings
+from ..speculative import DFlashResponse
 from ..stats import generation_stats
 from ..target import QUANTIZED_KV_START, KVQuantization, target_parts
 from .anthropic_format import (
@@ -156,12 +158,12 @@ class Server:
     def stats(self, r: DFlashResponse, job: Job) -> dict:
         """The ``dflash`` field of a response: the generation's statistics and the server's own."""
         return {**generation_stats(r),
-                "block_size": job.kwargs.get("block_size") or self.pair.draft.block_size,
+                "block_size": job.settings.block_size or self.pair.draft.block_size,
                 "queue_time": round(job.queue_time, 4)}
 
     async def generate(self, req: CompletionRequest) -> AsyncIterator[tuple[Job, DFlashResponse]]:
         """The worker's ``(job, response)`` stream, its failures as ``APIError``s."""
-        stream = self.worker.stream(req.prompt_ids, {**req.settings.engine_kwargs(), **self.kv},
+        stream = self.worker.stream(req.prompt_ids, req.settings.replace(**self.kv),
                                     scope=CALLER.get())
         try:
             async for item in stream:
@@ -640,11 +642,11 @@ def check_served(pair: Pair, served: dict) -> None:
     """Settings every request would be refused with, refused at start instead: a one-token
     request with the server's own settings (``block_size``, ``kv_bits``, ``kv_group_size``,
     ``quantized_kv_start``) checked as the engine checks each request
-    (:func:`~dflash.speculative.build_request`: a block longer than the draft window, a target
+    (:func:`~dflash.request.build_request`: a block longer than the draft window, a target
     whose caches mlx-lm cannot quantize, a group size that does not divide its head dimension),
     a ``GenerationConfigError`` naming the setting."""
-    build_request(target_parts(pair.model), pair.draft, pair.tokenizer, [0], max_tokens=1,
-                  **served)
+    build_request(target_parts(pair.model), pair.draft, pair.tokenizer, [0],
+                  GenerationSettings.from_call(max_tokens=1, **served))
 
 
 def follow_server(model: str | None = None, draft: str | None = None, *, share: str = "key",

@@ -26,6 +26,7 @@ from ..grammar import Grammar
 from ..policy import check_policy
 from ..prompts import encode_prompt, encode_text
 from ..sampling import SamplingConfig, check_decode_settings
+from ..settings import GenerationSettings
 from .logprobs_format import parse_logprobs
 from .reasoning import prompt_opens_reasoning
 from .tools import ToolFormat, ToolSpec, history_calls, parse_tools, render_messages, tool_format
@@ -70,42 +71,6 @@ class ServedModel:
 
     def accepts(self, name: str) -> bool:
         return name in (self.name, self.path, "dflash", "default")
-
-
-@dataclass
-class GenerationSettings:
-    """How to generate: a validated ``SamplingConfig`` plus the length and stop settings."""
-
-    sampling: SamplingConfig
-    max_tokens: int
-    stop: list[str] | None = None
-    block_size: int | None = None
-    min_confidence: float | None = None
-    policy: str | None = None
-    tree_budget: int | None = None
-    lookup: bool = True  # False: the auto policy verifies the drafter's proposals only
-    # Log-probabilities (dflash.logprobs): alternatives per token (None: none computed), and the
-    # prompt's own (completions' echo with logprobs).
-    logprobs: int | None = None
-    prompt_logprobs: bool = False
-    grammar: object | None = None  # a dflash.grammar.BoundGrammar: the answer must match it
-
-    def engine_kwargs(self) -> dict:
-        """Keyword arguments of ``dflash.speculative.stream_generate``."""
-        s = self.sampling
-        return dict(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            # 1.0 changes nothing; None skips the penalty pass altogether.
-            repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
-            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            seed=s.seed, logit_bias=s.logit_bias, proposal=s.proposal,
-            max_tokens=self.max_tokens, stop=self.stop, block_size=self.block_size,
-            min_confidence=self.min_confidence, policy=self.policy, tree_budget=self.tree_budget,
-            lookup=self.lookup,
-            # Only when asked: a request without them carries the engine's defaults unchanged.
-            **({} if self.logprobs is None else {"logprobs": self.logprobs}),
-            **({"prompt_logprobs": True} if self.prompt_logprobs else {}),
-            **({} if self.grammar is None else {"grammar": self.grammar}))
 
 
 @dataclass
@@ -241,9 +206,8 @@ def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> 
     if endpoint == "chat":
         spec = parse_checked_tools(body.get("tools"), body.get("tool_choice"))
         req = chat_request(chat_messages(body), spec, template_kwargs(body), tokenizer, served)
-        req.settings = generation_settings(body, served, len(req.prompt_ids), "messages")
-        req.settings.logprobs = top
-        req.settings.grammar = parse_grammar(body, tokenizer, served.vocab_size)
+        req.settings = generation_settings(body, served, len(req.prompt_ids), "messages").replace(
+            logprobs=top, grammar=parse_grammar(body, tokenizer, served.vocab_size))
         req.stream, req.include_usage = stream, include_usage
         return req
     ids = completion_prompt_ids(body, tokenizer, served.vocab_size)
@@ -251,10 +215,9 @@ def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> 
     score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
     settings = generation_settings({**body, "max_tokens": 1} if score_only else body, served,
                                    len(ids), "prompt")
-    if score_only:
-        settings.max_tokens = 0
-    settings.logprobs, settings.prompt_logprobs = top, echo and top is not None
-    settings.grammar = parse_grammar(body, tokenizer, served.vocab_size)
+    settings = settings.replace(max_tokens=0 if score_only else settings.max_tokens, logprobs=top,
+                                prompt_logprobs=echo and top is not None,
+                                grammar=parse_grammar(body, tokenizer, served.vocab_size))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -379,10 +342,15 @@ def generation_settings(body: dict, served: ServedModel, n_prompt: int,
                               _number(body, "min_confidence", 0.0))
     except GenerationConfigError as e:
         raise config_error(e) from None
-    return GenerationSettings(sampling, max_tokens, stop=stop, block_size=block_size,
-                              min_confidence=_number(body, "min_confidence", None),
-                              policy=policy, tree_budget=tree_budget,
-                              lookup=_flag(body, "lookup", True))
+    s = sampling
+    return GenerationSettings(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        # 1.0 changes nothing; None skips the penalty pass altogether.
+        repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, seed=s.seed,
+        logit_bias=s.logit_bias, proposal=s.proposal, max_tokens=max_tokens, stop=stop,
+        block_size=block_size, min_confidence=_number(body, "min_confidence", None),
+        policy=policy, tree_budget=tree_budget, lookup=_flag(body, "lookup", True))
 
 
 def _content_text(content, index: int) -> str:

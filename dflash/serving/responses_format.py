@@ -328,13 +328,13 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
             raise
         raise APIError(e.status, e.message.replace("max_tokens", "max_output_tokens"),
                        param="max_output_tokens", code=e.code) from None
-    req.settings.logprobs = parse_logprobs("responses", body)[0]
-    req.settings.grammar = responses_grammar(fmt, tokenizer, served)
+    req.settings = req.settings.replace(logprobs=parse_logprobs("responses", body)[0],
+                                        grammar=responses_grammar(fmt, tokenizer, served))
     echo = {"instructions": instructions, "tools": tools_echo,
             "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "temperature": req.settings.sampling.temperature,
-            "top_p": req.settings.sampling.top_p,
+            "temperature": req.settings.temperature,
+            "top_p": req.settings.top_p,
             "max_output_tokens": body.get("max_output_tokens"),
             "previous_response_id": previous, "store": body.get("store", True) is not False}
     out = ResponsesRequest(**{f.name: getattr(req, f.name) for f in fields(CompletionRequest)},

@@ -35,11 +35,12 @@ from typing import Any
 
 from .. import distributed
 from ..backend import compute_dtype, release_thread_streams
-from ..batch import ENGINE_SETTINGS, BatchEvent, BatchGenerator
+from ..batch import BatchEvent, BatchGenerator
 from ..console import log
 from ..errors import GenerationCancelled, QueueFull, RankLost
 from ..policy.memory import PairMemory
 from ..ranks import Ranks
+from ..settings import GenerationSettings
 from ..speculative import DFlashResponse, stream_generate
 from ..target import target_parts
 from .scopes import Scope, Scopes
@@ -101,10 +102,10 @@ def default_max_concurrency(pair, max_context: int | None) -> int:
 
 @dataclass
 class Job:
-    """One generation: its prompt, the engine's keyword arguments and the queue its events go to."""
+    """One generation: its prompt, its settings and the queue its events go to."""
 
     prompt_ids: list[int]
-    kwargs: dict
+    settings: GenerationSettings
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -254,11 +255,11 @@ class Worker:
             raise QueueFull(f"{self.jobs.qsize()} requests are already waiting; retry later")
         self.jobs.put(job)
 
-    async def stream(self, prompt_ids: list[int], kwargs: dict,
+    async def stream(self, prompt_ids: list[int], settings: GenerationSettings,
                      scope: str | None = None) -> AsyncIterator[tuple[Job, DFlashResponse]]:
         """Submit a job in ``scope`` (a key's name, see :class:`Scopes`); yield
         ``(job, response)`` per cycle. Closing the iterator cancels it."""
-        job = Job(prompt_ids, kwargs, asyncio.get_running_loop(), asyncio.Queue(),
+        job = Job(prompt_ids, settings, asyncio.get_running_loop(), asyncio.Queue(),
                   scope=self.scopes.get(scope))
         self.submit(job)
         try:
@@ -361,10 +362,9 @@ class Worker:
 
     def _batchable(self, job: Job, batch: BatchGenerator) -> bool:
         """Whether the job's engine settings are the batch's (else it runs alone)."""
-        k = job.kwargs
-        return (k.get("block_size") in (None, batch.block_size)
-                and k.get("policy") in (None, batch.policy)
-                and not k.get("min_confidence") and k.get("tree_budget") is None)
+        s = job.settings
+        return (s.block_size in (None, batch.block_size) and s.policy in (None, batch.policy)
+                and not s.min_confidence and s.tree_budget is None)
 
     def _admit(self, batch: BatchGenerator) -> Job | None | bool:
         """Move queued jobs into the batch while it has room (waiting when nothing runs).
@@ -387,16 +387,16 @@ class Worker:
                 continue
             if not self._batchable(job, batch):
                 return job
-            settings = {k: v for k, v in job.kwargs.items() if k not in ENGINE_SETTINGS}
+            settings = job.settings.per_request()
             try:
                 if self.ranks is not None:
                     self._beat_now()
-                    if settings.get("seed") is None:  # every rank draws from rank 0's seed
-                        settings["seed"] = distributed.random_seed()
+                    if settings.seed is None:  # every rank draws from rank 0's seed
+                        settings = settings.replace(seed=distributed.random_seed())
                     distributed.call_to_followers(self.ranks, {
                         "op": "insert", "prompt_ids": list(job.prompt_ids),
-                        "kwargs": to_wire(settings), "scope": job.scope.name})
-                uid = batch.insert(job.prompt_ids, **_scoped(job), **settings)
+                        "kwargs": to_wire(settings.changed()), "scope": job.scope.name})
+                uid = batch.insert(job.prompt_ids, settings=settings, **_scoped(job))
             except ValueError as e:  # a bad request: reported to its client only
                 job.emit("error", e)
                 continue
@@ -461,7 +461,7 @@ class Worker:
         try:
             gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
                                   job.prompt_ids, memory=self.memory, **_scoped(job),
-                                  **job.kwargs)
+                                  settings=job.settings)
             self._relay(job, gen, lambda: not job.cancel.is_set())
         except Exception as e:  # reported to the client; the worker keeps serving
             if not isinstance(e, ValueError):
@@ -510,18 +510,18 @@ class Worker:
         self._beat_now()  # before it is current: the watchdog times a current job from here
         self.current = job
         job.started = time.perf_counter()
-        kwargs = dict(job.kwargs)
-        if kwargs.get("seed") is None:  # sampled: every rank draws from rank 0's seed
-            kwargs["seed"] = distributed.random_seed()
+        settings = job.settings
+        if settings.seed is None:  # sampled: every rank draws from rank 0's seed
+            settings = settings.replace(seed=distributed.random_seed())
         scope = job.scope if job.scope is not None else self.scopes.get(None)
         try:
             distributed.call_to_followers(self.ranks, {
-                "op": "generate", "prompt_ids": list(job.prompt_ids), "kwargs": to_wire(kwargs),
+                "op": "generate", "prompt_ids": list(job.prompt_ids), "kwargs": to_wire(settings.changed()),
                 "scope": scope.name})
             gen = stream_generate(self.pair.model, self.pair.draft, self.pair.tokenizer,
                                   job.prompt_ids, memory=self.memory, index=scope.index,
                                   prompt_cache=scope.prompt_cache,
-                                  prompt_progress_callback=self._beat_now, **kwargs)
+                                  prompt_progress_callback=self._beat_now, settings=settings)
             # the same stop decision on every rank: rank 0's
             self._relay(job, gen, lambda: bool(self.ranks.from_main(int(not job.cancel.is_set()))))
         except ValueError as e:  # a setting the engine refused, on every rank alike
