@@ -55,29 +55,26 @@ def _fmt_size(n: int) -> str:
     return f"{n:.2f} GB"
 
 
-def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path) -> str:
-    """A README.md in the spirit of the public DFlash MLX cards."""
+def _quantization_summary(report: dict) -> tuple[str, str]:
+    """The card's ``Quantization`` row and the short phrase of its first line, by recipe."""
     q = report["quantization"]
     recipe = report["recipe"]
-    source = report["source"]
-    if Path(source).expanduser().exists():
-        # a local folder: its name, not this machine's path (the card travels with the weights)
-        source = src.name
-    targets = _compatible_targets(raw, src, source)
     if q is None:
-        q_line, short = f"none ({report['dtype']} weights)", f"{report['dtype']}"
-    elif recipe == "uniform":
-        q_line, short = f"Uniform {q['bits']}-bit", f"{q['bits']}-bit quantized"
-    elif recipe == "sensitivity":
-        q_line = (f"Sensitivity-aware mixed precision (average {report['average_bits']:.2f} bits "
-                  f"per quantized weight, budget {report['sensitivity']['bit_budget']})")
-        short = f"sensitivity-aware mixed-precision ({report['average_bits']:.2f}-bit average)"
-    else:
-        hi, lo = parse_recipe(recipe)[1]
-        q_line = (f"Mixed {hi}/{lo}-bit (`{recipe}`: `fc` and the first and last layer at {hi} "
-                  f"bits, the rest at {lo})")
-        short = f"mixed {hi}/{lo}-bit quantized"
-    target_example = targets[0].split(" (")[0] if targets else "PATH_OR_REPO_OF_THE_TARGET"
+        return f"none ({report['dtype']} weights)", f"{report['dtype']}"
+    if recipe == "uniform":
+        return f"Uniform {q['bits']}-bit", f"{q['bits']}-bit quantized"
+    if recipe == "sensitivity":
+        return (f"Sensitivity-aware mixed precision (average {report['average_bits']:.2f} bits "
+                f"per quantized weight, budget {report['sensitivity']['bit_budget']})",
+                f"sensitivity-aware mixed-precision ({report['average_bits']:.2f}-bit average)")
+    hi, lo = parse_recipe(recipe)[1]
+    return (f"Mixed {hi}/{lo}-bit (`{recipe}`: `fc` and the first and last layer at {hi} "
+            f"bits, the rest at {lo})", f"mixed {hi}/{lo}-bit quantized")
+
+
+def _intro_lines(name: str, short: str, source: str, cfg: DFlashConfig,
+                 targets: list[str]) -> list[str]:
+    """Title, what a drafter is, and the targets it runs with."""
     lines = [
         f"# {name}", "",
         f"MLX {short} version of the DFlash drafter `{source}`, for Apple Silicon and any other "
@@ -89,14 +86,21 @@ def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path)
         "LM head of its own and borrows the target's.", "",
         "## Compatible targets", "",
     ]
-    if targets:
-        lines += [f"- {t}" for t in targets]
+    lines += [f"- {t}" for t in targets]
     lines += [
         f"- any target with hidden size {cfg.hidden_size}, a vocabulary of {cfg.vocab_size} "
         + (f"and {cfg.num_target_layers} decoder layers " if cfg.num_target_layers else "")
         + f"whose layers {cfg.target_layer_ids} (0-based outputs) this drafter was trained on "
           "(fine-tunes of the original target work; unrelated models of the same shape do not)",
         "",
+    ]
+    return lines
+
+
+def _quantization_lines(report: dict, source: str, q_line: str) -> list[str]:
+    """The ``Quantization`` table and, when quantized, which tensors got how many bits."""
+    q = report["quantization"]
+    lines = [
         "## Quantization", "",
         "| | |", "|---|---|",
         f"| Source | `{source}` ({report['source_dtype']}) |",
@@ -112,22 +116,29 @@ def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path)
         "| Target platform | Apple Silicon (Metal); also runs on MLX's CPU and CUDA backends |",
         "",
     ]
-    if q is not None:
-        by_bits: dict[int, list[str]] = {}
-        for p, b in report["quantized"].items():
-            by_bits.setdefault(b, []).append(p)
-        lines += ["Quantized tensors (packed `weight` + `scales` + `biases`):", ""]
-        for b in sorted(by_bits, reverse=True):
-            lines.append(f"- **{b}-bit** ({len(by_bits[b])}): " + ", ".join(f"`{p}`" for p in by_bits[b]))
-        lines += ["", "Kept in floating point:", "",
-                  "- every norm (`hidden_norm`, `norm`, `input_layernorm`, "
-                  "`post_attention_layernorm`, `q_norm`, `k_norm`)"]
-        for p, why in report["kept"].items():
-            lines.append(f"- `{p}`: {why}")
-        if recipe == "uniform":
-            lines += ["", f"This release does **not** use sensitivity-aware mixed precision: every "
-                          f"quantizable projection is quantized to {q['bits']} bits."]
-        lines.append("")
+    if q is None:
+        return lines
+    by_bits: dict[int, list[str]] = {}
+    for p, b in report["quantized"].items():
+        by_bits.setdefault(b, []).append(p)
+    lines += ["Quantized tensors (packed `weight` + `scales` + `biases`):", ""]
+    for b in sorted(by_bits, reverse=True):
+        lines.append(f"- **{b}-bit** ({len(by_bits[b])}): " + ", ".join(f"`{p}`" for p in by_bits[b]))
+    lines += ["", "Kept in floating point:", "",
+              "- every norm (`hidden_norm`, `norm`, `input_layernorm`, "
+              "`post_attention_layernorm`, `q_norm`, `k_norm`)"]
+    for p, why in report["kept"].items():
+        lines.append(f"- `{p}`: {why}")
+    if report["recipe"] == "uniform":
+        lines += ["", f"This release does **not** use sensitivity-aware mixed precision: every "
+                      f"quantizable projection is quantized to {q['bits']} bits."]
+    lines.append("")
+    return lines
+
+
+def _measured_lines(report: dict, cfg: DFlashConfig) -> list[str]:
+    """What the conversion measured (KL, top-1 agreement, τ), and its notes; empty when none."""
+    lines: list[str] = []
     if report.get("calibration"):
         c = report["calibration"]
         lines += ["## Measured on this conversion", "",
@@ -149,7 +160,12 @@ def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path)
         lines.append("")
     if report.get("notes"):
         lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
-    lines += [
+    return lines
+
+
+def _usage_lines(name: str, target_example: str, cfg: DFlashConfig) -> list[str]:
+    """How to run the pair (the snippet a test runs verbatim), and the credits."""
+    return [
         "## Usage", "",
         "```python",
         "from dflash.model_mlx import load, load_draft, stream_generate",
@@ -181,6 +197,21 @@ def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path)
         "```", "",
         f"Converted with `dflash convert` (dflash {__version__}).", "",
     ]
+
+
+def model_card(report: dict, raw: dict, cfg: DFlashConfig, name: str, src: Path) -> str:
+    """A README.md in the spirit of the public DFlash MLX cards."""
+    source = report["source"]
+    if Path(source).expanduser().exists():
+        # a local folder: its name, not this machine's path (the card travels with the weights)
+        source = src.name
+    targets = _compatible_targets(raw, src, source)
+    q_line, short = _quantization_summary(report)
+    target_example = targets[0].split(" (")[0] if targets else "PATH_OR_REPO_OF_THE_TARGET"
+    lines = (_intro_lines(name, short, source, cfg, targets)
+             + _quantization_lines(report, source, q_line)
+             + _measured_lines(report, cfg)
+             + _usage_lines(name, target_example, cfg))
     return "\n".join(lines)
 
 

@@ -314,67 +314,29 @@ def keepalive(fmt) -> str:
 
 def build_app(server: Server):
     """The FastAPI application: routes and the handlers that give every error OpenAI's shape."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    from .metrics import CONTENT_TYPE
+    from fastapi import FastAPI
 
     app = FastAPI(title="dflash", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(KeyCheck, keys=server.keys)
+    _add_error_handlers(app)
+    _add_info_routes(app, server)
+    _add_generation_routes(app, server)
+    return app
 
-    class CancellingStream(StreamingResponse):
-        """A streaming response that closes its source however the response ends."""
 
-        on_close = None
+def _error(endpoint: str, e: APIError):
+    """``e`` as a JSON response in the endpoint's API's error shape (Anthropic's or OpenAI's)."""
+    from fastapi.responses import JSONResponse
 
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                if self.on_close is not None:
-                    await self.on_close()
+    body = error_body(e) if endpoint == "messages" else e.body()
+    return JSONResponse(body, status_code=e.status)
 
-    def error(endpoint: str, e: APIError) -> JSONResponse:
-        body = error_body(e) if endpoint == "messages" else e.body()
-        return JSONResponse(body, status_code=e.status)
 
-    async def answer(request: Request, endpoint: str):
-        """``POST /v1/chat/completions`` ("chat"), ``/v1/completions`` or ``/v1/messages``."""
-        try:
-            body = read_json(await _read_body(request))
-            if endpoint == "messages":
-                req = parse_messages_request(body, server.tokenizer, server.served)
-            elif endpoint == "responses":
-                req = parse_responses_request(body, server.tokenizer, server.served,
-                                              server.responses, CALLER.get() or "")
-            else:
-                req = parse_request(endpoint, body, server.tokenizer, server.served)
-            if server.recorder is not None:  # accepted requests only: a replay sends these
-                server.recorder.write(endpoint, body, CALLER.get())
-            if req.stream:
-                events = server.events(req)
-                # Wait for the first event (the generation has started) before answering, so
-                # that errors raised before any output still get a JSON error and a 4xx.
-                first = await _first_or_disconnect(request, events)
-                if first is None:
-                    server.metrics.request(endpoint, "cancelled")
-                    return error(endpoint, APIError(499, "client closed the request"))
-                response = CancellingStream(_prepend(first, events),
-                                            media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache",
-                                                     "X-Accel-Buffering": "no"})
-                response.on_close = events.aclose
-                return response
-            text, tokens, last, job = await server.collect(request, req)
-            result = server.response(req, text, tokens, last, job)
-            server.metrics.request(endpoint, "ok")
-            return JSONResponse(result)
-        except APIError as e:
-            server.metrics.request(endpoint, str(e.status))
-            return error(endpoint, e)
-
+def _add_error_handlers(app) -> None:
+    """Every error the framework raises, in OpenAI's shape."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
@@ -389,6 +351,13 @@ def build_app(server: Server):
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, e):
         return JSONResponse(APIError(400, str(e)).body(), status_code=400)
+
+
+def _add_info_routes(app, server: Server) -> None:
+    """Health, the model list and the metrics."""
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    from .metrics import CONTENT_TYPE
 
     @app.get("/health")
     async def health():
@@ -416,6 +385,68 @@ def build_app(server: Server):
     async def metrics():
         return PlainTextResponse(server.metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _answerer(server: Server):
+    """The handler of every generating endpoint: parse, queue, then stream or collect."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    class CancellingStream(StreamingResponse):
+        """A streaming response that closes its source however the response ends."""
+
+        on_close = None
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                if self.on_close is not None:
+                    await self.on_close()
+
+    async def answer(request: Request, endpoint: str):
+        """``POST /v1/chat/completions`` ("chat"), ``/v1/completions`` or ``/v1/messages``."""
+        try:
+            body = read_json(await _read_body(request))
+            if endpoint == "messages":
+                req = parse_messages_request(body, server.tokenizer, server.served)
+            elif endpoint == "responses":
+                req = parse_responses_request(body, server.tokenizer, server.served,
+                                              server.responses, CALLER.get() or "")
+            else:
+                req = parse_request(endpoint, body, server.tokenizer, server.served)
+            if server.recorder is not None:  # accepted requests only: a replay sends these
+                server.recorder.write(endpoint, body, CALLER.get())
+            if req.stream:
+                events = server.events(req)
+                # Wait for the first event (the generation has started) before answering, so
+                # that errors raised before any output still get a JSON error and a 4xx.
+                first = await _first_or_disconnect(request, events)
+                if first is None:
+                    server.metrics.request(endpoint, "cancelled")
+                    return _error(endpoint, APIError(499, "client closed the request"))
+                response = CancellingStream(_prepend(first, events),
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache",
+                                                     "X-Accel-Buffering": "no"})
+                response.on_close = events.aclose
+                return response
+            text, tokens, last, job = await server.collect(request, req)
+            result = server.response(req, text, tokens, last, job)
+            server.metrics.request(endpoint, "ok")
+            return JSONResponse(result)
+        except APIError as e:
+            server.metrics.request(endpoint, str(e.status))
+            return _error(endpoint, e)
+
+    return answer
+
+
+def _add_generation_routes(app, server: Server) -> None:
+    """The OpenAI, Responses and Anthropic endpoints."""
+    from fastapi import Request
+
+    answer = _answerer(server)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await answer(request, "chat")
@@ -441,10 +472,8 @@ def build_app(server: Server):
             req = parse_messages_request({**body, "max_tokens": 1}, server.tokenizer,
                                          server.served)
         except APIError as e:
-            return error("messages", e)
+            return _error("messages", e)
         return {"input_tokens": len(req.prompt_ids)}
-
-    return app
 
 
 class KeyCheck:

@@ -34,6 +34,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..console import log
 from ..default_pair import cache_dir, default_target_path
@@ -42,6 +43,9 @@ from ..files import write_atomic, write_json_atomic
 from ..prompts import encode_prompt
 from .shards import ShardStore, iter_records, prompt_key, publish
 from .sources import WEIGHTS, build_sources, heldout_sets, interleave, stdlib_files
+
+if TYPE_CHECKING:  # capture loads MLX: run_records imports it when it runs
+    from .capture import Rollout
 
 REPO = Path(__file__).resolve().parents[2]
 PAIR = "smollm2"
@@ -136,6 +140,96 @@ def _earlier_runs(work: Path) -> dict[str, float]:
             "cpu_s": float(last.get("cpu_s_all_runs", last.get("cpu_s")) or 0.0)}
 
 
+class _Progress:
+    """This run's counts and speed, written to ``<work>/status.json`` with every earlier run's
+    totals (``made_all_runs``, ``cpu_s_all_runs``: the CPU-hours a data budget counts)."""
+
+    def __init__(self, store: ShardStore, work: Path):
+        self.store, self.work = store, work
+        self.made = 0
+        self.stats: dict = {"started": time.time(), "made": 0, "by_domain": {}, "tokens": 0}
+        self.before = _earlier_runs(work)
+        self.cpu0, self.wall0 = time.process_time(), time.time()
+
+    def reached(self, max_records: int | None) -> bool:
+        return max_records is not None and self.made >= max_records
+
+    def add(self, rec: dict) -> None:
+        """Count one stored record; every 16th, write the status and log the speed."""
+        self.made += 1
+        by_domain = self.stats["by_domain"]
+        by_domain[rec["domain"]] = by_domain.get(rec["domain"], 0) + 1
+        self.stats["tokens"] += len(rec["prompt_ids"]) + len(rec["response_ids"])
+        if self.made % 16 == 0:
+            s = self.write()
+            log(f"records: {self.made} made ({s['records_per_cpu_hour']}/CPU-h, "
+                f"{s['records_per_wall_hour']}/h), {s['store']['total']} in shards")
+
+    def write(self, done: bool = False) -> dict:
+        made = self.made
+        cpu = time.process_time() - self.cpu0
+        wall = time.time() - self.wall0
+        self.stats.update(made=made, cpu_s=round(cpu, 1), wall_s=round(wall, 1),
+                          records_per_cpu_hour=round(made / cpu * 3600, 1) if cpu else None,
+                          records_per_wall_hour=round(made / wall * 3600, 1) if wall else None,
+                          finished=done, store=self.store.status(), pid=os.getpid(),
+                          updated=time.time(), made_all_runs=self.before["made"] + made,
+                          cpu_s_all_runs=round(self.before["cpu_s"] + cpu, 1))
+        write_json_atomic(self.work / "status.json", self.stats)
+        return self.stats
+
+
+def _default_sources(tokenizer, work: Path, repo: Path | None, legacy: list[dict],
+                     domains: list[str] | None,
+                     prompt_files: list[tuple[str, Path]] | None) -> dict[str, list[dict]]:
+    """The built-in prompt sources, by domain. Chat records already made (kept before shards, or
+    in the work and repository shards) with fewer than 3 user turns are continued as
+    conversations."""
+    chat_done = [r for r in legacy if r.get("domain") == "chat"]
+    for folder in [work] + ([repo] if repo is not None and repo.is_dir() else []):
+        chat_done += [r for r in iter_records(folder)
+                      if r.get("domain") == "chat" and r.get("messages")
+                      and sum(m["role"] == "user" for m in r["messages"]) < 3]
+    magpie_files = sorted((default_repo() / "prompts").glob("magpie-*.jsonl.gz"))
+    magpie_files += sorted((REPO / "datasets" / PAIR).glob("chat-prompts.jsonl.gz"))
+    return build_sources(tokenizer, gsm8k=gsm8k_path(), chat_records=chat_done,
+                         magpie_files=magpie_files, heldout_files=heldout_paths(),
+                         split_files=split_paths(), prompt_files=prompt_files or (),
+                         domains=domains, files=stdlib_files(), log=log)
+
+
+def _chunk_buckets(chunk: list[dict], tokenizer, store: ShardStore, made_keys: set[str]
+                   ) -> tuple[dict[str, dict], dict[int, list[tuple]]]:
+    """The prompts of ``chunk`` still to answer, by id, and their ``(id, prompt ids, budget)``
+    by length bucket; ``made_keys`` (the prompt keys already made) grows with them."""
+    buckets: dict[int, list[tuple]] = {}
+    items = {}
+    for it in chunk:
+        ids = encode_prompt(tokenizer, it)
+        key = prompt_key(ids)
+        if store.is_done(it["id"], ids) or key in made_keys:
+            continue
+        want = int(it.get("max_tokens") or 384)
+        room = CONTEXT - len(ids)
+        if room < min(16, want):
+            continue  # no room to answer within the target's context
+        budget = min(want, room)
+        made_keys.add(key)  # the same prompt twice in this chunk is made once
+        items[it["id"]] = it
+        buckets.setdefault(_bucket(len(ids) + budget), []).append((it["id"], ids, budget))
+    return items, buckets
+
+
+def _record(result: Rollout, item: dict) -> dict:
+    """The stored record of one answered prompt."""
+    rec = {"id": result.id, "domain": item["domain"], "source": item.get("source"),
+           "prompt_ids": result.prompt_ids, "response_ids": result.response_ids,
+           "finish_reason": result.finish_reason}
+    if item["domain"] == "chat":  # a conversation can be continued
+        rec["messages"] = item["messages"]
+    return rec
+
+
 def run_records(target: str | None = None, work: str | Path | None = None,
                 repo: str | Path | None = None, *, domains: list[str] | None = None,
                 weights: dict[str, float] | None = None, max_records: int | None = None,
@@ -171,19 +265,9 @@ def run_records(target: str | None = None, work: str | Path | None = None,
         magpie_stage(target, magpie, home=home, repo=repo or default_repo(), pause=pause)
     legacy = legacy_records() if legacy is None else legacy
     legacy_ids = {str(r["id"]) for r in legacy}
-    legacy_keys = {prompt_key(r["prompt_ids"]) for r in legacy}
+    made_keys = {prompt_key(r["prompt_ids"]) for r in legacy}
     if sources is None:
-        chat_done = [r for r in legacy if r.get("domain") == "chat"]
-        for folder in [work] + ([repo] if repo is not None and repo.is_dir() else []):
-            chat_done += [r for r in iter_records(folder)
-                          if r.get("domain") == "chat" and r.get("messages")
-                          and sum(m["role"] == "user" for m in r["messages"]) < 3]
-        magpie = sorted((default_repo() / "prompts").glob("magpie-*.jsonl.gz"))
-        magpie += sorted((REPO / "datasets" / PAIR).glob("chat-prompts.jsonl.gz"))
-        sources = build_sources(tokenizer, gsm8k=gsm8k_path(), chat_records=chat_done,
-                                magpie_files=magpie, heldout_files=heldout_paths(),
-                                split_files=split_paths(), prompt_files=prompt_files or (),
-                                domains=domains, files=stdlib_files(), log=log)
+        sources = _default_sources(tokenizer, work, repo, legacy, domains, prompt_files)
     elif domains:
         sources = {d: v for d, v in sources.items() if d in domains}
     weights = dict(weights or WEIGHTS)
@@ -193,78 +277,35 @@ def run_records(target: str | None = None, work: str | Path | None = None,
     todo = [it for it in queue if not store.is_done(it["id"]) and it["id"] not in legacy_ids]
     log(f"records: {len(queue)} prompts, {len(queue) - len(todo)} done, {len(todo)} to go; "
         f"{store.status()['total']} records in shards -> {work}")
-    made = 0
-    stats = {"started": time.time(), "made": 0, "by_domain": {}, "tokens": 0}
-    before = _earlier_runs(work)
-    cpu0, wall0 = time.process_time(), time.time()
+    progress = _Progress(store, work)
     stopped = False
-
-    def status(done: bool = False) -> dict:
-        cpu = time.process_time() - cpu0
-        wall = time.time() - wall0
-        stats.update(made=made, cpu_s=round(cpu, 1), wall_s=round(wall, 1),
-                     records_per_cpu_hour=round(made / cpu * 3600, 1) if cpu else None,
-                     records_per_wall_hour=round(made / wall * 3600, 1) if wall else None,
-                     finished=done, store=store.status(), pid=os.getpid(), updated=time.time(),
-                     made_all_runs=before["made"] + made,
-                     cpu_s_all_runs=round(before["cpu_s"] + cpu, 1))
-        write_json_atomic(work / "status.json", stats)
-        return stats
-
     try:
         for start in range(0, len(todo), chunk):
             _wait_while_paused(pause, seal)
-            if stop.exists() or (max_records is not None and made >= max_records):
+            if stop.exists() or progress.reached(max_records):
                 stopped = True
                 break
-            buckets: dict[int, list[tuple]] = {}
-            items = {}
-            for it in todo[start:start + chunk]:
-                ids = encode_prompt(tokenizer, it)
-                key = prompt_key(ids)
-                if store.is_done(it["id"], ids) or key in legacy_keys:
-                    continue
-                want = int(it.get("max_tokens") or 384)
-                room = CONTEXT - len(ids)
-                if room < min(16, want):
-                    continue  # no room to answer within the target's context
-                budget = min(want, room)
-                legacy_keys.add(key)  # the same prompt twice in this chunk is made once
-                items[it["id"]] = it
-                buckets.setdefault(_bucket(len(ids) + budget), []).append(
-                    (it["id"], ids, budget))
+            items, buckets = _chunk_buckets(todo[start:start + chunk], tokenizer, store, made_keys)
             for b, batch in sorted(buckets.items()):
                 size = max(1, int(BUCKETS[b][1] * batch_scale))
                 engine = RolloutEngine(parts, taps=[], max_tokens=CONTEXT, batch_size=size,
                                        stop_ids=tokenizer.eos_token_ids, temperature=0.0,
                                        capture=False)
                 for r in engine.run(batch):
-                    it = items[r.id]
-                    rec = {"id": r.id, "domain": it["domain"], "source": it.get("source"),
-                           "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
-                           "finish_reason": r.finish_reason}
-                    if it["domain"] == "chat":  # a conversation can be continued
-                        rec["messages"] = it["messages"]
+                    rec = _record(r, items[r.id])
                     sealed = store.append(rec)
-                    made += 1
-                    d = stats["by_domain"]
-                    d[it["domain"]] = d.get(it["domain"], 0) + 1
-                    stats["tokens"] += len(r.prompt_ids) + len(r.response_ids)
                     if sealed is not None:
                         log(f"records: sealed {sealed.name}")
-                    if made % 16 == 0:
-                        s = status()
-                        log(f"records: {made} made ({s['records_per_cpu_hour']}/CPU-h, "
-                            f"{s['records_per_wall_hour']}/h), {s['store']['total']} in shards")
+                    progress.add(rec)
                     _wait_while_paused(pause, seal)
-                    if max_records is not None and made >= max_records:
+                    if progress.reached(max_records):
                         break
-                if max_records is not None and made >= max_records:
+                if progress.reached(max_records):
                     break
-        status(done=not stopped)
+        stats = progress.write(done=not stopped)
     finally:
         store.close()
-    log(f"records: {made} records made this run; {store.status()['total']} in shards")
+    log(f"records: {progress.made} records made this run; {store.status()['total']} in shards")
     return stats
 
 

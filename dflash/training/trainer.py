@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from mlx.utils import tree_map
 from tqdm import tqdm
 
 from ..console import log
-from ..drafter import DFlashConfig
+from ..drafter import DFlashConfig, DFlashDraftModel
 from ..errors import TrainConfigError, TrainingDataError
 from ..ranks import init_ranks
 from ..target import load_target as load
@@ -82,39 +84,93 @@ def _is_muon_weight(path: str, weight: mx.array) -> bool:
     return path.startswith("layers.") and weight.ndim == 2
 
 
+def _lr_schedule(opts: TrainOptions, peak: float, cpu_seconds: Callable[[], float]
+                 ) -> Callable[[mx.array], mx.array]:
+    """Linear warm-up to ``peak``, then cosine decay to ``peak * --min-lr-ratio``: over
+    ``--steps``, or with ``--lr-schedule cpu`` over the fraction of ``--cpu-budget`` spent
+    (``cpu_seconds()``: the run's training CPU so far)."""
+    o = opts
+    if o.lr_schedule == "cpu":
+        return lambda _step: mx.array(
+            cpu_schedule(peak, cpu_seconds() / o.cpu_budget, o.warmup, o.min_lr_ratio),
+            mx.float32)
+    warm = max(1, int(round(o.warmup * o.steps)))
+    return optim.join_schedules(
+        [optim.linear_schedule(peak * 1e-3, peak, warm),
+         optim.cosine_decay(peak, max(1, o.steps - warm), peak * o.min_lr_ratio)],
+        [warm])
+
+
+def _make_optimizer(opts: TrainOptions, cpu_seconds: Callable[[], float]
+                    ) -> tuple[optim.Optimizer, optim.AdamW]:
+    """AdamW; with ``--optimizer muon``, Muon for the layers' weight matrices (AdamW last:
+    it is the fallback of :class:`~mlx.optimizers.MultiOptimizer`). Also the AdamW alone: its
+    learning rate is the one logged."""
+    adamw = optim.AdamW(learning_rate=_lr_schedule(opts, opts.lr, cpu_seconds),
+                        weight_decay=opts.weight_decay, bias_correction=True)
+    if opts.optimizer == "adamw":
+        return adamw, adamw
+    muon = optim.Muon(learning_rate=_lr_schedule(opts, opts.muon_lr, cpu_seconds),
+                      weight_decay=opts.weight_decay)
+    return optim.MultiOptimizer([muon, adamw], [_is_muon_weight]), adamw
+
+
+def _check_one_process(opts: TrainOptions, distributed: bool) -> None:
+    """Refuse what several ranks (``mlx.launch``) cannot run together."""
+    if distributed and opts.lr_schedule == "cpu":
+        # each rank's CPU time is its own: their learning rates would drift apart
+        raise TrainConfigError("--lr-schedule cpu: one process only (not under mlx.launch)")
+    if distributed and opts.refresh_data:
+        # each rank would reread a growing data set at its own moment and split another order
+        raise TrainConfigError("--refresh-data: not with several ranks (mlx.launch); restart "
+                               "the run with --resume to pick up new samples")
+
+
+class _CpuClock:
+    """CPU time of a run (``time.process_time()``: all threads of this process) over all its
+    invocations, its evaluations' kept apart: validation loss and τ through the engine are
+    measurement, not training, so budgets and curves count training alone."""
+
+    def __init__(self) -> None:
+        # this invocation counts from here (target load and data reading included); earlier
+        # invocations' CPU comes from the checkpoint (``cpu_seconds``, ``eval_cpu_seconds``)
+        self.start = time.process_time()
+        self.before = 0.0
+        self.eval = 0.0
+        self.eval_before = 0.0
+
+    def restore(self, saved: dict) -> None:
+        self.before = float(saved.get("cpu_seconds", 0.0))
+        self.eval_before = float(saved.get("eval_cpu_seconds", 0.0))
+
+    def training_seconds(self, streamed: float) -> float:
+        """Training CPU so far, the feature workers' ``streamed`` seconds included."""
+        return self.before + time.process_time() - self.start - self.eval + streamed
+
+    @property
+    def eval_seconds(self) -> float:
+        return self.eval_before + self.eval
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Count the CPU of the block as evaluation (not if it raises: the run stops then)."""
+        t0 = time.process_time()
+        yield
+        self.eval += time.process_time() - t0
+
+
 class Trainer:
     """One training run; ``Trainer(opts).run()``. All state needed to resume is in checkpoints."""
 
     def __init__(self, opts: TrainOptions):
         self.opts = o = opts
         o.check()
-        # CPU time of this invocation counts from here (target load and data reading included);
-        # earlier invocations' CPU comes from the checkpoint (``cpu_seconds``)
-        self._cpu_start = time.process_time()
-        self.cpu_before = 0.0
-        # evaluations (validation loss, τ through the engine) are measurement, not training:
-        # their CPU is kept apart so that budgets and curves count training alone
-        self._eval_cpu = 0.0
-        self.eval_cpu_before = 0.0
+        self.clock = _CpuClock()
         self.out = Path(o.out)
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
         self.ranks = init_ranks()
-        if self.ranks.distributed and o.lr_schedule == "cpu":
-            # each rank's CPU time is its own: their learning rates would drift apart
-            raise TrainConfigError("--lr-schedule cpu: one process only (not under mlx.launch)")
-        if self.ranks.distributed and o.refresh_data:
-            # each rank would reread a growing data set at its own moment and split another order
-            raise TrainConfigError("--refresh-data: not with several ranks (mlx.launch); restart "
-                                   "the run with --resume to pick up new samples")
-        self.resume_from = None
-        if self.ranks.is_main:
-            self.resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume,
-                                                          o.force, bool(o.checkpoint_dir))
-        if self.ranks.distributed:  # every rank resumes from rank 0's choice
-            step = self.ranks.from_main(-1 if self.resume_from is None
-                                        else checkpoints.step_of(self.resume_from))
-            self.resume_from = None if step < 0 else checkpoints.checkpoint_path(self.ckpt_dir,
-                                                                                 step)
+        _check_one_process(o, self.ranks.distributed)
+        self.resume_from = self._resume_point()
         saved = checkpoints.read_state(self.resume_from) if self.resume_from else None
 
         # Target
@@ -123,63 +179,20 @@ class Trainer:
         self.tcfg = target_config(Path(o.target)) if Path(o.target).is_dir() else {}
         samples = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
 
-        v1 = None
-        if saved:
-            self.cfg_dict = saved["draft_config"]
-            vocab_ids = np.asarray(saved["vocab_ids"], dtype=np.int64)
-        else:
-            seen = seen_ids(samples)
-            if o.init_from:
-                self.cfg_dict, v1 = self._v1_start(seen)
-            else:
-                self.cfg_dict = self._new_config(seen)
-            vocab_ids = initial_vocab(o.vocab, seen, self.parts.vocab_size)
-            if o.vocab == "data" and v1 is not None and v1.config.draft_vocab_ids is not None:
-                # keep what the v1 drafter may propose: its first proposals stay its own
-                vocab_ids = np.union1d(vocab_ids, v1.config.draft_vocab_ids).astype(np.int64)
-            if o.draft_window is not None:  # trained with the window it will run with
-                self.cfg_dict["dflash_config"]["draft_window"] = int(o.draft_window)
+        self.cfg_dict, vocab_ids, v1 = self._start_config(saved, samples)
         self.cfg = DFlashConfig.from_dict(self.cfg_dict)
         self.taps = self.cfg.target_layer_ids
         self.gamma = o.gamma or default_gamma(self.cfg.block_size)
         self.row_w = loss_weights(self.cfg.block_size, self.gamma)[1:]
-
-        # Drafter
-        mx.random.seed(o.seed)
-        self.draft = new_draft(self.cfg, v1)
-        if v1 is not None and len(self.draft.layers) > len(v1.layers):
-            grow_identity_layers(self.draft, len(v1.layers))
-        if not saved and o.init != "none" and v1 is None:
-            ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
-                                 self.taps)
-            init_from_target(self.draft, self.parts, ids)
-            if o.init == "aligned":
-                align_context(self.draft, self.parts, self.taps, ids[0])
-        self.draft.train()
+        self.draft = self._new_drafter(saved, v1)
 
         # Frozen target pieces
         self.vocab = TrainingVocab(head_matrix(self.parts), self.parts.vocab_size, vocab_ids)
         self.embed = self.parts.embed_tokens
         self.parts.model.freeze()
 
-        # Features
-        cache_dir = None
-        if o.feature_cache not in ("none", "", None):
-            base = self.ckpt_dir / "features" if o.feature_cache == "auto" else Path(o.feature_cache)
-            cache_dir = base / FeatureStore.signature(self.taps, o.soft_topk)
-        self.features = FeatureStore(self.parts, self.taps, o.soft_topk, cache_dir)
-        self._precompute(samples)
-        self.stream = None
-        if o.stream_features:
-            if self.ranks.distributed:
-                raise TrainConfigError("--stream-features: one process only (not under "
-                                       "mlx.launch); use --feature-workers before the run")
-            self.stream = FeatureStream(o.target, self.taps, o.soft_topk, cache_dir,
-                                        o.stream_features)
-        if o.only_cached:
-            samples = self._cached(samples)
-
-        self.optimizer = self._make_optimizer()
+        samples = self._setup_features(samples)
+        self.optimizer, self._adamw = _make_optimizer(o, lambda: self.cpu_seconds)
 
         # Data order / step
         self.data = DataOrder(samples, o.data, o.seed, o.val_percent, o.val_n,
@@ -196,6 +209,78 @@ class Trainer:
         if o.eval_prompts and o.eval_every:
             self.eval_prompts = load_eval_prompts(o.eval_prompts, self.tokenizer, o.eval_n)
         self._vg = None
+
+    def _resume_point(self) -> Path | None:
+        """The checkpoint this run resumes from, if any: rank 0 checks the output folder and
+        chooses; every other rank resumes from rank 0's choice."""
+        o = self.opts
+        resume_from = None
+        if self.ranks.is_main:
+            resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume, o.force,
+                                                     bool(o.checkpoint_dir))
+        if self.ranks.distributed:
+            step = self.ranks.from_main(-1 if resume_from is None
+                                        else checkpoints.step_of(resume_from))
+            resume_from = None if step < 0 else checkpoints.checkpoint_path(self.ckpt_dir, step)
+        return resume_from
+
+    def _start_config(self, saved: dict | None, samples: list[Sample]
+                      ) -> tuple[dict, np.ndarray, DFlashDraftModel | None]:
+        """The drafter's config, its training vocabulary and the v1 drafter it starts from (with
+        ``--init-from``): a resumed run's from its checkpoint, a new one's from the options."""
+        o = self.opts
+        if saved:
+            return saved["draft_config"], np.asarray(saved["vocab_ids"], dtype=np.int64), None
+        v1 = None
+        seen = seen_ids(samples)
+        if o.init_from:
+            cfg_dict, v1 = self._v1_start(seen)
+        else:
+            cfg_dict = self._new_config(seen)
+        vocab_ids = initial_vocab(o.vocab, seen, self.parts.vocab_size)
+        if o.vocab == "data" and v1 is not None and v1.config.draft_vocab_ids is not None:
+            # keep what the v1 drafter may propose: its first proposals stay its own
+            vocab_ids = np.union1d(vocab_ids, v1.config.draft_vocab_ids).astype(np.int64)
+        if o.draft_window is not None:  # trained with the window it will run with
+            cfg_dict["dflash_config"]["draft_window"] = int(o.draft_window)
+        return cfg_dict, vocab_ids, v1
+
+    def _new_drafter(self, saved: dict | None, v1: DFlashDraftModel | None) -> DFlashDraftModel:
+        """The drafter in training mode: ``v1``'s (grown by identity layers), or a new run's
+        initialised from the target's layers (``--init``); a resumed run's weights are loaded
+        later, with the optimizer's state."""
+        o = self.opts
+        mx.random.seed(o.seed)
+        draft = new_draft(self.cfg, v1)
+        if v1 is not None and len(draft.layers) > len(v1.layers):
+            grow_identity_layers(draft, len(v1.layers))
+        if not saved and o.init != "none" and v1 is None:
+            ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
+                                 self.taps)
+            init_from_target(draft, self.parts, ids)
+            if o.init == "aligned":
+                align_context(draft, self.parts, self.taps, ids[0])
+        draft.train()
+        return draft
+
+    def _setup_features(self, samples: list[Sample]) -> list[Sample]:
+        """Set up the target features (their store, its cache filled first with
+        ``--feature-workers``, the ``--stream-features`` workers); the samples to train on."""
+        o = self.opts
+        cache_dir = None
+        if o.feature_cache not in ("none", "", None):
+            base = self.ckpt_dir / "features" if o.feature_cache == "auto" else Path(o.feature_cache)
+            cache_dir = base / FeatureStore.signature(self.taps, o.soft_topk)
+        self.features = FeatureStore(self.parts, self.taps, o.soft_topk, cache_dir)
+        self._precompute(samples)
+        self.stream = None
+        if o.stream_features:
+            if self.ranks.distributed:
+                raise TrainConfigError("--stream-features: one process only (not under "
+                                       "mlx.launch); use --feature-workers before the run")
+            self.stream = FeatureStream(o.target, self.taps, o.soft_topk, cache_dir,
+                                        o.stream_features)
+        return self._cached(samples) if o.only_cached else samples
 
     def _new_config(self, seen: set[int]) -> dict:
         """The config of a drafter trained from scratch (``--arch``, ``--layers``, ...)."""
@@ -232,32 +317,6 @@ class Trainer:
         o = self.opts
         return dflash2_config_dict(cfg, o.conv_kernel_size, o.conv_group_size, o.selector_rank,
                                    o.selector_top_k, window)
-
-    def _schedule(self, peak: float):
-        """Linear warm-up to ``peak``, then cosine decay to ``peak * --min-lr-ratio``: over
-        ``--steps``, or with ``--lr-schedule cpu`` over the fraction of ``--cpu-budget`` spent."""
-        o = self.opts
-        if o.lr_schedule == "cpu":
-            return lambda _step: mx.array(
-                cpu_schedule(peak, self.cpu_seconds / o.cpu_budget, o.warmup, o.min_lr_ratio),
-                mx.float32)
-        warm = max(1, int(round(o.warmup * o.steps)))
-        return optim.join_schedules(
-            [optim.linear_schedule(peak * 1e-3, peak, warm),
-             optim.cosine_decay(peak, max(1, o.steps - warm), peak * o.min_lr_ratio)],
-            [warm])
-
-    def _make_optimizer(self) -> optim.Optimizer:
-        """AdamW; with ``--optimizer muon``, Muon for the layers' weight matrices (AdamW last:
-        it is the fallback of :class:`~mlx.optimizers.MultiOptimizer`)."""
-        o = self.opts
-        adamw = optim.AdamW(learning_rate=self._schedule(o.lr), weight_decay=o.weight_decay,
-                            bias_correction=True)
-        self._adamw = adamw  # its learning rate is the one logged
-        if o.optimizer == "adamw":
-            return adamw
-        muon = optim.Muon(learning_rate=self._schedule(o.muon_lr), weight_decay=o.weight_decay)
-        return optim.MultiOptimizer([muon, adamw], [_is_muon_weight])
 
     # -- views of the parts ----------------------------------------------------------------
     @property
@@ -418,13 +477,21 @@ class Trainer:
     def cpu_seconds(self) -> float:
         """CPU time of the run so far (``time.process_time()``: all threads of this process), over
         all its invocations, less its evaluations': what ``--cpu-budget`` limits."""
-        streamed = self.stream.cpu_seconds() if self.stream else 0.0
-        return self.cpu_before + time.process_time() - self._cpu_start - self._eval_cpu + streamed
+        return self.clock.training_seconds(self.stream.cpu_seconds() if self.stream else 0.0)
 
     @property
     def eval_cpu_seconds(self) -> float:
         """CPU time the run's evaluations took, over all its invocations."""
-        return self.eval_cpu_before + self._eval_cpu
+        return self.clock.eval_seconds
+
+    @property
+    def cpu_before(self) -> float:
+        """CPU time of the run's earlier invocations (from the checkpoint resumed)."""
+        return self.clock.before
+
+    @property
+    def eval_cpu_before(self) -> float:
+        return self.clock.eval_before
 
     def save_checkpoint(self) -> Path | None:
         """Checkpoint and export (rank 0; the other ranks hold the same weights)."""
@@ -464,8 +531,7 @@ class Trainer:
         self.data.restore(saved)
         self.history = saved.get("history", [])
         self.ema = saved.get("ema")
-        self.cpu_before = float(saved.get("cpu_seconds", 0.0))
-        self.eval_cpu_before = float(saved.get("eval_cpu_seconds", 0.0))
+        self.clock.restore(saved)
         log(f"train: resumed from {self.resume_from} (step {self.step}, epoch {self.epoch}, "
             f"sample {self.cursor}/{len(self.order)})")
 
@@ -488,7 +554,6 @@ class Trainer:
         t_start = time.time()
         end_step = o.steps if o.stop_after is None else min(o.steps, self.step + o.stop_after)
         main = self.ranks.is_main
-        budget = o.budget_seconds
         bar = tqdm(total=o.steps, initial=self.step, desc="train", unit="step",
                    disable=not (o.progress and main), dynamic_ncols=True, mininterval=2.0)
         val = self.data.validation()
@@ -502,8 +567,7 @@ class Trainer:
             self._record({"step": 0, "cpu_s": round(self.cpu_seconds, 1), **self._evaluate(val)})
         while self.step < end_step:
             rng = self._step_rng()
-            before = (self.data.state(), self.draft.parameters(),
-                      tree_map(lambda x: x, self.optimizer.state))
+            before = self._snapshot()
             try:
                 samples = self._next_samples()
                 # the workers take the next steps' samples while this process computes what
@@ -514,10 +578,7 @@ class Trainer:
                 st = self.train_step(batch)
             except KeyboardInterrupt:
                 # The step did not happen: put weights, optimizer and data cursor back, save, stop.
-                position, params, opt_state = before
-                self.data.restore(position)
-                self.draft.update(params)
-                self.optimizer.state = opt_state
+                self._undo(before)
                 bar.close()
                 if self.step > 0 and main:
                     log(f"train: interrupted; checkpoint at step {self.step} "
@@ -533,18 +594,10 @@ class Trainer:
                             tau=f"{self.ema['tau']:.2f}", lr=f"{lr:.1e}", rows_s=f"{rows_s:.0f}")
             bar.update(1)
             last = self.step >= end_step
-            # all ranks stop at the same step, or the others would wait for it forever
-            out_of_time = self.ranks.any(
-                (budget is not None and time.time() - t_start > budget)
-                or (o.cpu_budget is not None and self.cpu_seconds > o.cpu_budget))
+            out_of_time = self._out_of_time(t_start)
             record = None
             if self.step % 10 == 0 or last or out_of_time:
-                record = {"step": self.step, "epoch": self.epoch, "lr": lr,
-                          "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
-                          "cpu_s": round(self.cpu_seconds, 1),
-                          **{k: round(v, 4) for k, v in self.ema.items()},
-                          "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids),
-                          **self._feature_counts()}
+                record = self._step_record(st, lr, t_start, rows_s)
             if o.eval_every and main and (self.step % o.eval_every == 0 or last):
                 record = record or {"step": self.step}
                 self._feed_stream(EVAL_AHEAD_STEPS)  # an evaluation takes minutes
@@ -563,14 +616,41 @@ class Trainer:
             self.export()
         return self.out
 
+    def _snapshot(self) -> tuple[dict, dict, dict]:
+        """What a step changes (data position, weights, optimizer state), to undo it."""
+        return (self.data.state(), self.draft.parameters(),
+                tree_map(lambda x: x, self.optimizer.state))
+
+    def _undo(self, snapshot: tuple[dict, dict, dict]) -> None:
+        position, params, opt_state = snapshot
+        self.data.restore(position)
+        self.draft.update(params)
+        self.optimizer.state = opt_state
+
+    def _out_of_time(self, t_start: float) -> bool:
+        """``--budget-seconds`` or ``--cpu-budget`` spent, on any rank: all ranks stop at the
+        same step, or the others would wait for it forever."""
+        o = self.opts
+        return self.ranks.any(
+            (o.budget_seconds is not None and time.time() - t_start > o.budget_seconds)
+            or (o.cpu_budget is not None and self.cpu_seconds > o.cpu_budget))
+
+    def _step_record(self, st: dict, lr: float, t_start: float, rows_s: float) -> dict:
+        """The metrics record of the step just taken (``st``: its own stats)."""
+        return {"step": self.step, "epoch": self.epoch, "lr": lr,
+                "time": round(time.time() - t_start, 1), "rows_s": round(rows_s, 1),
+                "cpu_s": round(self.cpu_seconds, 1),
+                **{k: round(v, 4) for k, v in self.ema.items()},
+                "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids),
+                **self._feature_counts()}
+
     def _evaluate(self, val: list[Sample]) -> dict:
         """Validation metrics (and τ with ``--eval-prompts``), reported on stderr; their CPU
         time is not the run's (``eval_cpu_s``: all evaluations so far)."""
-        t0 = time.process_time()
-        res = {k: round(v, 4) for k, v in self.evaluate_loss(val).items()}
-        if self.eval_prompts:
-            res.update(self.evaluate_tau())
-        self._eval_cpu += time.process_time() - t0
+        with self.clock.evaluating():
+            res = {k: round(v, 4) for k, v in self.evaluate_loss(val).items()}
+            if self.eval_prompts:
+                res.update(self.evaluate_tau())
         res["eval_cpu_s"] = round(self.eval_cpu_seconds, 1)
         _status(f"[step {self.step}] " + " ".join(
             f"{k}={v}" for k, v in res.items() if k.startswith(("val_", "tau_"))))
