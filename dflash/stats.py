@@ -37,4 +37,7 @@ def generation_stats(r: DFlashResponse, rounded: bool = True) -> dict:
         "draft_time": rnd(r.draft_time, 4),
         "verify_time": rnd(r.verify_time, 4),
         "peak_memory_gb": rnd(r.peak_memory, 4),
+        "forced_tokens": r.forced_tokens,  # proposed by the grammar, not the drafter
+        # finish_reason "grammar": why the grammar allowed no next token
+        **({} if r.grammar_message is None else {"grammar_message": r.grammar_message}),
     }

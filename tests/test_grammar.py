@@ -23,6 +23,7 @@ from dflash.errors import GenerationConfigError, GrammarError
 from dflash.grammar import Grammar, logits_processor
 from dflash.model_mlx import load_default
 from dflash.speculative import generate
+from dflash.stats import generation_stats
 from dflash.target import target_parts
 
 PERSON = {
@@ -339,6 +340,8 @@ def test_no_valid_continuation_stops_with_finish_reason_grammar(tiny):
     out = generate(model, draft, None, [1, 2, 3], max_tokens=8, grammar=bound)
     assert out.tokens == [0]
     assert out.finish_reason == "grammar" and out.stats.grammar_message
+    # What a server answer's `dflash` field carries (every endpoint builds it from these stats).
+    assert generation_stats(out.stats)["grammar_message"] == out.stats.grammar_message
 
 
 @pytest.mark.parametrize("max_batch", [1, 2])

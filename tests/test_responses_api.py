@@ -105,8 +105,12 @@ def test_function_tools_are_checked_and_hosted_tools_ignored():
              {**WEATHER, "name": "get_time", "strict": False}]
     spec, echo = parse_response_tools(codex, "auto")
     assert [t["function"]["name"] for t in spec.tools] == ["get_weather", "get_time"]
-    assert [(t["name"], t["strict"]) for t in echo] == [("get_weather", True),
+    # Constrained only when a tool says strict: true (the echo says what ran).
+    assert [(t["name"], t["strict"]) for t in echo] == [("get_weather", False),
                                                         ("get_time", False)]
+    strict, _ = parse_response_tools([{**WEATHER, "strict": True}], "auto")
+    assert strict.strict == ("get_weather",) and strict.constrained
+    assert spec.strict == () and not spec.constrained
     assert parse_response_tools(codex, NAMED)[0].choice == "get_weather"
     assert parse_response_tools([{"type": "web_search"}], None) == (None, [])
     for tools, choice, param in [

@@ -128,8 +128,12 @@ def test_max_tokens_cuts_with_finish_reason_length(client):
     ({"regex": "a", "grammar": "start: \"a\""}, "grammar", "give one"),
     ({"tools": [{"type": "function", "function": {
         "name": "lookup", "strict": True,
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]},
-     "tools[0].function.strict", "not supported"),
+        "parameters": {"type": "object", "properties": {"q": {"type": "string",
+                                                              "format": "bogus"}}}}}]},
+     "tools[0].function.parameters", "lookup"),
+    ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {
+        "name": "lookup", "strict": True, "parameters": {"type": "object"}}}]},
+     "response_format", "strict tools"),
 ])
 def test_bad_grammars_are_400_naming_the_field(server, extra, param, words):
     body = {"model": MODEL_NAME, "messages": chat("x"), "max_tokens": 4, **extra}
@@ -152,3 +156,62 @@ def test_responses_text_format(client, server):
         "model": MODEL_NAME, "input": "x",
         "text": {"format": {"type": "json_schema", "name": "v", "schema": {"type": "objekt"}}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema"
+
+
+def test_responses_read_the_server_regex_and_grammar_fields(client, server):
+    """``extra_body`` regex / grammar constrain a Responses answer as they do a chat answer (never
+    an answer silently unconstrained); with ``text.format`` as well, a 400 naming the field."""
+    r = client.responses.create(model=MODEL_NAME, input="Yes or no?", max_output_tokens=16,
+                                temperature=0, extra_body={"regex": "(yes|no)[.!]"})
+    assert re.fullmatch(r"(yes|no)[.!]", r.output_text)
+    r = client.responses.create(model=MODEL_NAME, input="Count.", max_output_tokens=16,
+                                temperature=0,
+                                extra_body={"grammar": 'start: ("one" | "two") " apple"'})
+    assert r.output_text in ("one apple", "two apple")
+    bad = httpx.post(server["base"] + "/v1/responses", timeout=60, json={
+        "model": MODEL_NAME, "input": "x", "regex": "a",
+        "text": {"format": {"type": "json_object"}}})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "regex" and "give one" in bad.json()["error"]["message"]
+    bad = httpx.post(server["base"] + "/v1/responses", timeout=60,
+                     json={"model": MODEL_NAME, "input": "x", "regex": "[a-("})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "regex"
+
+
+WEATHER_ARGS = {"type": "object", "properties": {
+    "city": {"enum": ["Rome", "Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                          "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+
+
+def strict_tools():
+    return [{"type": "function", "function": {"name": "get_weather", "strict": True,
+                                              "parameters": WEATHER_ARGS}},
+            {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+                "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_strict_tool_arguments_match_the_tools_schema(client, choice):
+    """A random-weight target cannot write a valid call on its own: with ``strict`` it must, and
+    the arguments validate against the tool's ``parameters``."""
+    r = client.chat.completions.create(model=MODEL_NAME, messages=chat("Weather in Rome?"),
+                                       max_tokens=48, temperature=0, tools=strict_tools(),
+                                       tool_choice=choice)
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0]
+    if isinstance(choice, dict):
+        assert calls[0].function.name == "get_weather"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in strict_tools()}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # Sampled, and through the Responses API: the same guarantee.
+    r = client.responses.create(model=MODEL_NAME, input="Weather in Oslo?", temperature=1.0,
+                                max_output_tokens=48, tool_choice="required", tools=[
+                                    {"type": "function", "name": "get_weather", "strict": True,
+                                     "parameters": WEATHER_ARGS}])
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_ARGS)

@@ -24,6 +24,7 @@ from dflash.serving.tools import (
     AnswerSplitter,
     ToolCallSplitter,
     ToolFormat,
+    call_grammar,
     parse_tools,
     render_messages,
     tool_format,
@@ -422,3 +423,39 @@ def test_anthropic_answers_end_with_tool_use_and_stream_their_blocks():
                if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
     assert [json.loads(p) for p in partial] == [{"city": "Rome"}]
     assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+
+
+def test_strict_tools_grammar_admits_text_and_valid_calls_only(tool_tokenizer):
+    """The call grammar of ``strict`` tools over a real tokenizer: free text and valid calls
+    match, a call of an unknown tool or with arguments off the schema does not; non-JSON call
+    forms and tools without ``strict`` get no grammar."""
+    import llguidance
+
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    good = json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}})
+
+    def matches(spec, text: str) -> bool:
+        bound = call_grammar(spec, HERMES).bind(tool_tokenizer, len(tool_tokenizer.vocab))
+        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
+        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
+            and m.is_accepting()
+
+    auto = parse_tools([strict], "auto")
+    assert matches(auto, "No call needed.")
+    assert matches(auto, f"Checking.\n{HERMES_START}\n{good}\n{HERMES_END}")
+    assert not matches(auto, f"{HERMES_START}\n" + json.dumps({"name": "other", "arguments": {}}))
+    assert not matches(auto, f"{HERMES_START}\n" + json.dumps(
+        {"name": "get_weather", "arguments": {"city": 5}}))
+    required = parse_tools([strict], "required")  # the prompt ends with the opening tag
+    assert matches(required, f"{good}\n{HERMES_END}")
+    assert not matches(required, "Sure.")
+    assert HERMES.prefix(parse_tools([strict], {"type": "function", "function": {
+        "name": "get_weather"}})) == HERMES_START + "\n"  # the grammar forces the name
+    assert call_grammar(parse_tools([WEATHER], "auto"), HERMES) is None
+    assert call_grammar(parse_tools([strict], "none"), HERMES) is None
+    xml = ToolFormat("<function=", "</function>", None, native=True, json_form=False)
+    with pytest.raises(APIError) as e:
+        call_grammar(auto, xml)
+    assert e.value.param == "tools[0].function.strict" and "get_weather" in e.value.message
+    assert rejected([{**strict, "function": {**strict["function"], "strict": "yes"}}]).param == \
+        "tools[0].function.strict"

@@ -29,7 +29,15 @@ from ..sampling import SamplingConfig, check_decode_settings
 from ..settings import GenerationSettings
 from .logprobs_format import parse_logprobs
 from .reasoning import prompt_opens_reasoning
-from .tools import ToolFormat, ToolSpec, history_calls, parse_tools, render_messages, tool_format
+from .tools import (
+    ToolFormat,
+    ToolSpec,
+    call_grammar,
+    history_calls,
+    parse_tools,
+    render_messages,
+    tool_format,
+)
 
 ENDPOINTS = ("chat", "completions", "messages")  # messages: Anthropic's Messages API
 # What the OpenAI API accepts, where it is narrower than what the engine can do.
@@ -128,16 +136,6 @@ def parse_checked_tools(tools, tool_choice) -> ToolSpec | None:
     spec = parse_tools(tools, tool_choice)
     if spec is None:
         return None
-    for i, tool in enumerate(tools if isinstance(tools, list) else []):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (isinstance(fn, dict) and fn.get("strict")) or (isinstance(tool, dict)
-                                                           and tool.get("strict")):
-            # Refused, not ignored: arguments are parsed out of free text, never constrained.
-            param = f"tools[{i}].function.strict"
-            raise APIError(400, f"{param}: tool {(fn or tool).get('name')!r}: strict tool "
-                           "arguments (constrained to the tool's schema) are not supported by "
-                           "this server; send the tool without strict", param=param,
-                           code="unsupported_parameter")
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
@@ -194,6 +192,33 @@ def parse_grammar(body: dict, tokenizer, vocab_size: int):
         raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
+def answer_grammar(asked, req: CompletionRequest, tokenizer, served: ServedModel, field: str):
+    """The grammar a chat answer matches: ``asked`` (the request's ``field``, e.g.
+    ``response_format``: a bound grammar or ``None``), or the strict tools' call grammar
+    (:func:`~dflash.serving.tools.call_grammar`); both at once is a 400 naming ``field``."""
+    calls = call_grammar(req.tools, req.tool_format) if req.tools is not None else None
+    if calls is None:
+        return asked
+    if asked is not None:
+        raise APIError(400, f"{field} with strict tools: give one of them (the answer is either a "
+                       "document of the format or text with calls)", param=field,
+                       code="invalid_value")
+    try:
+        return calls.bind(tokenizer, served.vocab_size)
+    except GrammarError as e:
+        for i, tool in enumerate(req.tools.tools):  # name the tool whose schema cannot
+            fn = tool["function"]
+            if fn["name"] in req.tools.strict:
+                param = f"tools[{i}].function.parameters"
+                try:
+                    Grammar.json_schema(fn["parameters"], field=param).bind(tokenizer,
+                                                                            served.vocab_size)
+                except GrammarError as bad:
+                    raise APIError(400, f"{bad} (tool {fn['name']!r}, strict)", param=param,
+                                   code="invalid_value") from None
+        raise APIError(400, str(e), param="tools", code="invalid_value") from None
+
+
 def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> CompletionRequest:
     """Check and encode one request body of ``endpoint`` ("chat" or "completions")."""
     ignore_unknown(body, OPENAI_FIELDS[endpoint] | OPENAI_IGNORED,
@@ -207,7 +232,8 @@ def parse_request(endpoint: str, body: dict, tokenizer, served: ServedModel) -> 
         spec = parse_checked_tools(body.get("tools"), body.get("tool_choice"))
         req = chat_request(chat_messages(body), spec, template_kwargs(body), tokenizer, served)
         req.settings = generation_settings(body, served, len(req.prompt_ids), "messages").replace(
-            logprobs=top, grammar=parse_grammar(body, tokenizer, served.vocab_size))
+            logprobs=top, grammar=answer_grammar(parse_grammar(body, tokenizer, served.vocab_size),
+                                                 req, tokenizer, served, "response_format"))
         req.stream, req.include_usage = stream, include_usage
         return req
     ids = completion_prompt_ids(body, tokenizer, served.vocab_size)

@@ -46,6 +46,7 @@ from .openai_format import usage as chat_usage
 from .requests import (
     CompletionRequest,
     ServedModel,
+    answer_grammar,
     chat_request,
     check_model,
     generation_settings,
@@ -222,11 +223,13 @@ def parse_response_tools(tools, tool_choice) -> tuple[ToolSpec | None, list[dict
         if fn["name"] in names:
             raise _bad(f"tools[{i}].name: {fn['name']!r} is defined twice", f"tools[{i}].name")
         names.add(fn["name"])
-        converted.append({"type": "function", "function": fn})
+        # Constrained only when asked for (OpenAI's default is true; the echo says what ran).
+        converted.append({"type": "function", "function": fn,
+                          **({"strict": True} if t.get("strict") is True else {})})
         where.append(i)
         echo.append({"type": "function", "name": fn["name"],
                      "description": fn.get("description"), "parameters": fn["parameters"],
-                     "strict": t.get("strict", True) is not False})
+                     "strict": t.get("strict") is True})
     choice = tool_choice
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") != "function":
@@ -255,11 +258,18 @@ def _leading_system(messages: list[dict], instructions: str | None) -> list[dict
     return head + messages[k:]
 
 
-def responses_grammar(fmt: dict | None, tokenizer, served: ServedModel):
+def responses_grammar(fmt: dict | None, tokenizer, served: ServedModel, body: dict | None = None):
     """``text.format`` (``json_object``; ``json_schema`` with ``schema`` beside ``name`` and
-    ``strict``, as the Responses API puts it) as the grammar the answer must match."""
+    ``strict``, as the Responses API puts it), or the server's ``regex`` / ``grammar`` (Lark)
+    fields of ``body``, as the grammar the answer must match (one of them: a 400 naming both)."""
+    extra = {name: body[name] for name in ("regex", "grammar")
+             if body is not None and body.get(name) is not None}
     if fmt is None or fmt.get("type") == "text":
-        return None
+        return parse_grammar(extra, tokenizer, served.vocab_size) if extra else None
+    if extra:
+        name = next(iter(extra))
+        raise APIError(400, f"text.format and {name}: give one of them", param=name,
+                       code="invalid_value")
     if fmt.get("type") == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
                                                       "schema": fmt.get("schema")}}
@@ -329,7 +339,9 @@ def parse_responses_request(body: dict, tokenizer, served: ServedModel,
         raise APIError(e.status, e.message.replace("max_tokens", "max_output_tokens"),
                        param="max_output_tokens", code=e.code) from None
     req.settings = req.settings.replace(logprobs=parse_logprobs("responses", body)[0],
-                                        grammar=responses_grammar(fmt, tokenizer, served))
+                                        grammar=answer_grammar(
+                                            responses_grammar(fmt, tokenizer, served, body), req,
+                                            tokenizer, served, "text.format"))
     echo = {"instructions": instructions, "tools": tools_echo,
             "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls", True),

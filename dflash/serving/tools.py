@@ -14,6 +14,14 @@ output stays the target's own (speculative decoding is untouched). Two rendering
 call's opening tag; a named function renders only that tool and, for the JSON form, starts the
 answer with ``{"name": "<it>", "arguments": {`` (a prefix of the prompt, not a constraint on
 decoding). Output that looks like a call but does not parse is returned as text, never an error.
+
+Tools declared ``strict: true`` are constrained instead (:func:`call_grammar`): a Lark grammar
+(llguidance) lets the answer be any text until the call's opening tag, then only a call of a
+declared tool whose arguments match its ``parameters`` schema, then the closing tag. The grammar
+forces the call's fixed parts (``{"name": "``, the name once its first letters decide it,
+``", "arguments": {``): free proposals for the verify pass, which still decides every token.
+Strict calls need the JSON form (Hermes ``<tool_call>`` JSON); another form is a 400 naming the
+tool.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import APIError
+from ..errors import APIError, GrammarError
+from ..grammar import WHITESPACE, Grammar
 from .reasoning import ThinkSplitter
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -56,6 +65,14 @@ class ToolSpec:
 
     tools: list[dict]
     choice: str = "auto"  # "auto", "none", "required" or the name of the function to call
+    strict: tuple[str, ...] = ()  # the tools declared strict: their arguments are constrained
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer's calls are constrained (:func:`call_grammar`)."""
+        if self.choice == "none" or not self.strict:
+            return False
+        return self.choice in CHOICES or self.choice in self.strict
 
     @property
     def rendered(self) -> list[dict]:
@@ -111,7 +128,7 @@ def parse_tools(tools, tool_choice) -> ToolSpec | None:
     if not isinstance(tools, list):
         raise _bad("tools: must be a list of {\"type\": \"function\", \"function\": {...}}",
                    "tools")
-    checked, names = [], set()
+    checked, names, strict = [], set(), []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise _bad(f"tools[{i}].type: only \"function\" tools are supported",
@@ -122,6 +139,12 @@ def parse_tools(tools, tool_choice) -> ToolSpec | None:
                        f"tools[{i}].function.name")
         names.add(fn["name"])
         checked.append({"type": "function", "function": fn})
+        flag = tool["function"].get("strict", tool.get("strict"))
+        if flag is not None and not isinstance(flag, bool):
+            raise _bad(f"tools[{i}].function.strict: must be true or false",
+                       f"tools[{i}].function.strict")
+        if flag:
+            strict.append(fn["name"])
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -136,7 +159,7 @@ def parse_tools(tools, tool_choice) -> ToolSpec | None:
     elif choice not in CHOICES:
         raise _bad("tool_choice: \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                    "\"function\": {\"name\": ...}}", "tool_choice")
-    return ToolSpec(checked, choice)
+    return ToolSpec(checked, choice, tuple(strict))
 
 
 def parse_arguments(arguments, param: str) -> dict:
@@ -187,7 +210,8 @@ class ToolFormat:
         """Text the answer starts with (put at the end of the prompt) for ``tool_choice``."""
         if spec is None or spec.choice in ("auto", "none"):
             return ""
-        if spec.choice == "required" or not self.json_form:
+        if spec.choice == "required" or not self.json_form or spec.constrained:
+            # (Constrained: the grammar forces the call's name and its opening.)
             return self.start + "\n"
         return self.start + "\n" + json.dumps({"name": spec.choice})[:-1] + ', "arguments": {'
 
@@ -203,6 +227,43 @@ def tool_format(tokenizer) -> ToolFormat:
         return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end,
                           tokenizer.tool_parser, native=True, json_form=kind in JSON_PARSERS)
     return ToolFormat(HERMES_START, HERMES_END, _hermes_parse, native=False, json_form=True)
+
+
+def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
+    """The grammar a constrained answer matches (``None``: ``spec`` has no strict tool it may
+    call): with "auto", any text with calls of the offered tools in it; with "required" or a
+    name, the answer (which starts after the call's opening tag the prompt ends with) is a call
+    first. A strict tool's arguments match its ``parameters``; another tool's are any object."""
+    if not spec.constrained:
+        return None
+    if not fmt.json_form:
+        name = spec.strict[0]
+        i = next(k for k, t in enumerate(spec.tools) if t["function"]["name"] == name)
+        raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: strict arguments need "
+                       f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}); this "
+                       f"model's template writes calls as {fmt.start}...{fmt.end}; send the "
+                       "tool without strict", param=f"tools[{i}].function.strict",
+                       code="unsupported_parameter")
+    calls = [{"type": "object", "properties": {
+        "name": {"const": t["function"]["name"]},
+        "arguments": t["function"]["parameters"] if t["function"]["name"] in spec.strict
+        else {"type": "object"}}, "required": ["name", "arguments"], "additionalProperties": False}
+        for t in spec.rendered]
+    # One line, Python's separators: the grammar forces every separator and key (free proposals).
+    body = {"anyOf": calls, "x-guidance": WHITESPACE["compact"]}
+    start, end = json.dumps(fmt.start), json.dumps(fmt.end)
+    first = "" if spec.choice == "auto" else f'body "\\n" {end} '
+    text = (f"start: {first}call* tail\n"
+            "tail: TEXT\n"
+            "TEXT: /(.|\\n)*/\n"
+            f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
+            f'call: call_head "\\n" body "\\n" {end}\n'
+            f"body: %json {json.dumps(body)}\n")
+    try:
+        return Grammar.lark(text, field="tools")
+    except GrammarError as e:
+        raise APIError(400, f"tools: a strict tool's parameters cannot constrain decoding: {e}",
+                       param="tools", code="invalid_value") from None
 
 
 def system_prompt(tools: list[dict]) -> str:

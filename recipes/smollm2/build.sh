@@ -22,7 +22,7 @@
 #   --restore-checkpoint  before training, restore final-v4's float checkpoint at step 5,250 from
 #                         git history (datasets/smollm2/MANIFEST.json) and continue from it
 #
-# What each stage costs on a 2-core x86-64 machine without a GPU: docs/training.md#the-recipe.
+# What each stage costs on a 2-core x86-64 machine without a GPU: docs/training.md#the-built-in-drafters-recipe-recipessmollm2buildsh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
