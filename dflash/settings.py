@@ -201,7 +201,7 @@ class GenerationSettings:
             presence_context_size=self.presence_context_size,
             frequency_penalty=self.frequency_penalty,
             frequency_context_size=self.frequency_context_size,
-            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            logit_bias=self.logit_bias,  # validate() checks it into a new dict
             sampler=self.sampler, logits_processors=self.logits_processors, proposal=proposal,
             seed=self.seed)
         cfg.validate(vocab_size)

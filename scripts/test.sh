@@ -9,9 +9,9 @@ if [ $# -gt 0 ]; then
   exec $PY -m pytest -q "$@"
 fi
 start=$SECONDS
-$PY -m pytest -q -m "not slow"
+$PY -m pytest -q -m "not slow" -n 2
 fast=$((SECONDS - start))
-echo "test.sh: fast tier (pytest -m \"not slow\") passed in ${fast} s"
+echo "test.sh: fast tier (pytest -m \"not slow\" -n 2) passed in ${fast} s"
 start=$SECONDS
 $PY -m pytest -q -m slow
 echo "test.sh: fast tier ${fast} s, slow tier $((SECONDS - start)) s"

@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random models of each target family, built and loaded once per session.
 
-Two tiers: `pytest -m "not slow"` (under 2 minutes: pure functions, CLI usage, sampling units and one
-greedy-exactness run per target family) while changing code; plain `pytest` / `scripts/test.sh`
-(what CI runs) runs everything, the `slow` tests included.
+Two tiers: `pytest -m "not slow" -n 2` (pure functions, CLI usage, sampling units and the
+greedy-exactness runs per target family; 144 s on a 2-core machine, 256 s in one process) while
+changing code; `scripts/test.sh` (what CI runs) runs both, the `slow` tests in one process.
+
+Under pytest-xdist each worker's BLAS runs one thread: the tiny models' passes gain nothing from
+more, and two workers with a thread per core each would fight over the cores (the fast tier took
+193 s with -n 2 and OpenBLAS's default threads).
 """
 
 import errno
@@ -11,9 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before any BLAS loads
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
 
-from dflash.backend import configure
+import pytest  # noqa: E402
+
+from dflash.backend import configure  # noqa: E402
 
 configure()  # OpenBLAS bound as mlx.core loads, before any test module imports it
 sys.path.insert(0, str(Path(__file__).parent))
