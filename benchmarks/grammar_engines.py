@@ -3,8 +3,12 @@
     pip install xgrammar          # pulls torch, transformers and triton (not a dflash dependency)
     python benchmarks/grammar_engines.py
 
-Why dflash binds llguidance (docs/structured-outputs.md): the issue asked to choose by measuring
-mask time and schema coverage here. Both engines replay the same token sequences -- one valid
+Why dflash binds llguidance (docs/structured-outputs.md#which-grammar-engine): chosen by mask
+time, schema coverage and what each engine needs installed. On this Linux machine xgrammar could
+not be measured: its PyPI wheel requires torch (1.2 GB, the CUDA build, which needs cuDNN and
+NCCL wheels of several GB more), and torch installed without them broke `transformers`' import,
+and with it mlx-lm's tokenizer (libcudnn.so.9 missing); on a Mac, torch installs without CUDA and
+the script compares both. Both engines replay the same token sequences -- one valid
 answer per schema of benchmarks/structured_outputs.py, tokenized by the built-in target's
 tokenizer (SmolLM2, 49,152 ids) -- and time, per token, the next-token mask and one consume.
 Coverage: a list of JSON-schema features, each compiled by both engines; a feature counts as
