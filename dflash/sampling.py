@@ -229,22 +229,14 @@ class RowDist:
         return out
 
 
-class BlockSampler:
-    """Per-generation sampling state: processors, random generator, and the block-wise primitives.
-
-    Processors run in MLX on the ``(R, V)`` logits; the rows are then copied to NumPy once, where
-    whole-row reductions (log-sum-exp, top candidates) and everything after them (filters on the
-    candidates, acceptance, draws) run in float64 with a seeded generator. A verify pass costs one
-    uniform per row plus one draw, not a sort and a Gumbel draw over the vocabulary per row.
-    """
+class Processors:
+    """The logits processors of one generation, in mlx-lm's order: ``logit_bias``, the
+    repetition / presence / frequency penalties over their windows, then the caller's own
+    ``logits_processors``; applied to the target's verify rows (MLX, bit-identical to mlx-lm's
+    processors row by row) and, bias and penalties, to the drafter's rows (NumPy)."""
 
     def __init__(self, cfg: SamplingConfig):
         self.cfg = cfg
-        seed = cfg.seed if cfg.seed is not None else time.time_ns() % (2**63)
-        self.rng = np.random.default_rng(seed)
-        if cfg.sampler is not None and cfg.seed is not None:
-            # A custom sampler draws from MLX's global generator, as it would under mlx-lm.
-            mx.random.seed(cfg.seed)
         bias = cfg.logit_bias or {}
         self.bias_ids = mx.array([int(k) for k in bias], dtype=mx.int32) if bias else None
         self.bias_values = mx.array([float(v) for v in bias.values()]) if bias else None
@@ -253,32 +245,18 @@ class BlockSampler:
             ("presence", cfg.presence_penalty, cfg.presence_context_size),
             ("frequency", cfg.frequency_penalty, cfg.frequency_context_size),
         ) if value]
-        c = cfg
-        self.top_p = 0 < c.top_p < 1.0
-        self.filtered = self.top_p or c.min_p != 0.0 or c.top_k > 0
 
     @property
-    def greedy(self) -> bool:
-        return self.cfg.greedy
-
-    @property
-    def pipelines_plain_steps(self) -> bool:
-        """Plain one-token steps can be queued on the previous step's still-lazy token (greedy,
-        no history-dependent processors, no custom sampler), as mlx-lm's own decoding does."""
-        return self.greedy and not self.has_history_processors and self.cfg.sampler is None
-
-    # -- processors -------------------------------------------------------------------------
-
-    @property
-    def has_history_processors(self) -> bool:
+    def history_dependent(self) -> bool:
+        """Whether a row's processed logits depend on the tokens before it."""
         return bool(self.penalties or self.cfg.logits_processors)
 
-    def _bias(self, logits: mx.array) -> mx.array:
+    def bias(self, logits: mx.array) -> mx.array:
         if self.bias_ids is None:
             return logits
         return logits.at[:, self.bias_ids].add(self.bias_values)
 
-    def _penalty_counts(self, history: list[int],
+    def penalty_counts(self, history: list[int],
                         earlier: list[int]) -> tuple[list[int], list[list[int]]]:
         """The ids one row's penalties touch (sorted) and, per penalty, how often each occurs in
         that penalty's window: the last ``size`` tokens of ``history + earlier``."""
@@ -286,7 +264,7 @@ class BlockSampler:
         ids = sorted(set().union(*windows))
         return ids, [[w.count(t) for t in ids] for w in windows]
 
-    def _penalised(self, values, counts: list[list[list[int]]]):
+    def penalised(self, values, counts: list[list[list[int]]]):
         """mlx-lm's penalties, in its order, on ``values (R, W)`` where ``counts[k][r][w]`` is how
         often row ``r``'s id ``w`` occurs in penalty ``k``'s window; elementwise, in the values'
         dtype.
@@ -311,7 +289,7 @@ class BlockSampler:
                 values = values - c * value
         return values
 
-    def process(self, logits: mx.array, history: list[int],
+    def apply(self, logits: mx.array, history: list[int],
                 proposals: list[int] | None) -> mx.array:
         """Apply the processors to ``logits (R, V)``; row ``i`` sees ``history + proposals[:i]``.
 
@@ -321,13 +299,13 @@ class BlockSampler:
         """
         c = self.cfg
         rows = logits.shape[0]
-        logits = self._bias(logits)
-        if not self.has_history_processors:
+        logits = self.bias(logits)
+        if not self.history_dependent:
             return logits
         known = proposals is not None
         props = list(proposals[: rows - 1]) if known else []
         if self.penalties:
-            rows_touched = [self._penalty_counts(history, props[:i]) for i in range(rows)]
+            rows_touched = [self.penalty_counts(history, props[:i]) for i in range(rows)]
             width = max(len(ids) for ids, _ in rows_touched)
             if width:
                 # Pad each row with copies of its first id (same value, same count, same result).
@@ -336,7 +314,7 @@ class BlockSampler:
 
                 idx = mx.array([pad(ids) for ids, _ in rows_touched], dtype=mx.int32)
                 counts = [[pad(c[k]) for _, c in rows_touched] for k in range(len(self.penalties))]
-                values = self._penalised(mx.take_along_axis(logits, idx, axis=-1), counts)
+                values = self.penalised(mx.take_along_axis(logits, idx, axis=-1), counts)
                 logits = mx.put_along_axis(logits, idx, values, axis=-1)
         if c.logits_processors:
             full = mx.array(history + props, dtype=mx.int32)
@@ -349,6 +327,50 @@ class BlockSampler:
                 out_rows.append(row)
             logits = mx.concatenate(out_rows, axis=0)
         return logits
+
+
+class BlockSampler:
+    """Per-generation sampling state: processors, random generator, and the block-wise primitives.
+
+    Processors run in MLX on the ``(R, V)`` logits; the rows are then copied to NumPy once, where
+    whole-row reductions (log-sum-exp, top candidates) and everything after them (filters on the
+    candidates, acceptance, draws) run in float64 with a seeded generator. A verify pass costs one
+    uniform per row plus one draw, not a sort and a Gumbel draw over the vocabulary per row.
+    """
+
+    def __init__(self, cfg: SamplingConfig):
+        self.cfg = cfg
+        seed = cfg.seed if cfg.seed is not None else time.time_ns() % (2**63)
+        self.rng = np.random.default_rng(seed)
+        if cfg.sampler is not None and cfg.seed is not None:
+            # A custom sampler draws from MLX's global generator, as it would under mlx-lm.
+            mx.random.seed(cfg.seed)
+        self.proc = Processors(cfg)
+        c = cfg
+        self.top_p = 0 < c.top_p < 1.0
+        self.filtered = self.top_p or c.min_p != 0.0 or c.top_k > 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.cfg.greedy
+
+    @property
+    def pipelines_plain_steps(self) -> bool:
+        """Plain one-token steps can be queued on the previous step's still-lazy token (greedy,
+        no history-dependent processors, no custom sampler), as mlx-lm's own decoding does."""
+        return self.greedy and not self.has_history_processors and self.cfg.sampler is None
+
+    # -- processors -------------------------------------------------------------------------
+
+    @property
+    def has_history_processors(self) -> bool:
+        return self.proc.history_dependent
+
+    def process(self, logits: mx.array, history: list[int],
+                proposals: list[int] | None) -> mx.array:
+        """:meth:`Processors.apply`: row ``i`` of ``logits (R, V)`` sees ``history +
+        proposals[:i]`` (``proposals=None``: every row sees ``history``)."""
+        return self.proc.apply(logits, history, proposals)
 
     # -- distributions ----------------------------------------------------------------------
 
@@ -434,7 +456,7 @@ class BlockSampler:
     @property
     def proposes_argmax(self) -> bool:
         """Proposals are each drafter row's raw argmax (no bias, no penalties, not sampled)."""
-        return not self.samples_proposals and not self.penalties and self.bias_ids is None
+        return not self.samples_proposals and not self.proc.penalties and self.proc.bias_ids is None
 
     @property
     def samples_proposals(self) -> bool:
@@ -459,8 +481,8 @@ class BlockSampler:
         """
         sampled = self.samples_proposals
         rows, vocab = draft_logits.shape
-        logits = self._bias(draft_logits)
-        if not sampled and not self.penalties:
+        logits = self.proc.bias(draft_logits)
+        if not sampled and not self.proc.penalties:
             return mx.argmax(logits, axis=-1), None
         c = self.cfg
         m = min(vocab, max(c.top_k, DRAFT_CANDIDATES))
@@ -469,11 +491,11 @@ class BlockSampler:
         qs: list[RowDist] = []
         for j in range(rows):
             row = source[j]
-            if self.penalties:
-                ids, counts = self._penalty_counts(history, tokens)
+            if self.proc.penalties:
+                ids, counts = self.proc.penalty_counts(history, tokens)
                 if ids:
                     row = row.copy()
-                    row[ids] = self._penalised(row[ids].astype(np.float64)[None],
+                    row[ids] = self.proc.penalised(row[ids].astype(np.float64)[None],
                                                [[c] for c in counts])[0]
             if not sampled:
                 tokens.append(int(np.argmax(row)))
