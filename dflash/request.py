@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cost_model import cost_model
-from .distributed import shard_count
 from .errors import GenerationConfigError
 from .grammar import BoundGrammar
 from .logprobs import TokenLogprob, check_logprobs, log_softmax, read_logprobs
@@ -99,10 +98,6 @@ def _bind_grammar(grammar, tokenizer, parts: TargetParts, policy: str) -> BoundG
         raise GenerationConfigError(
             "policy='tree' with a grammar: constrained decoding verifies chains (policy 'auto', "
             "'fixed' or 'confidence'; 'auto' then verifies no trees)")
-    if shard_count(parts) > 1:
-        raise GenerationConfigError(
-            "grammar: a sharded target does not decode with a grammar (every rank would have to "
-            "mask its rows alike); serve the model on one machine for structured outputs")
     if isinstance(grammar, BoundGrammar):
         if grammar.vocab_size != parts.vocab_size:
             raise GenerationConfigError(

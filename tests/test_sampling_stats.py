@@ -40,6 +40,7 @@ from mlx_lm.sample_utils import (
 from scipy import stats as sps
 from tiny_models import write_drafter, write_target
 
+from dflash import request as request_module
 from dflash import speculative
 from dflash.cost_model import cost_model
 from dflash.drafter import load_draft
@@ -436,7 +437,7 @@ BROKEN = {
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_broken_sampler_fails_the_same_test(name, pair, raw_table, raw_np, monkeypatch):
     cls, case, proposal = BROKEN[name]
-    monkeypatch.setattr(speculative, "BlockSampler", cls)
+    monkeypatch.setattr(request_module, "BlockSampler", cls)  # what build_request makes
     settings = CASES[case]
     joint = exact_joint(reference_next(raw_table, settings))
     run = run_dflash(pair, raw_np, settings, proposal)

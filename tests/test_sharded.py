@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -120,11 +121,17 @@ def assert_ranks_match_mlx_lm(ranks: list[dict], tree: bool = False) -> None:
         if tree:
             assert got["dflash_tree"] == got["mlx_lm_penalised"], f"rank {r}"
         assert got["sampled"][0] == got["sampled"][1], "a seeded sampled run did not reproduce"
+        if "dflash_constrained" in got:  # (the kv-cache worker runs no grammar)
+            assert got["dflash_constrained"] == got["mlx_lm_constrained"], f"rank {r}"
+            text = got["constrained_sampled"]
+            assert re.fullmatch(r"[a-z]{2,7}( [a-z]{2,7}){3,12}\.", text) or \
+                re.fullmatch(r"[a-z]{2,7}( [a-z]{2,7}){0,12} ?[a-z]{0,7}", text), text
         assert got["ranks_agree"], "the ranks generated different tokens"
         assert got["plans_agree"], "the ranks verified different plans"
     for other in ranks[1:]:
         assert other["dflash_greedy"] == ranks[0]["dflash_greedy"]
         assert other["sampled"] == ranks[0]["sampled"]
+        assert other.get("constrained_sampled") == ranks[0].get("constrained_sampled")
         assert other["plans"] == ranks[0]["plans"]
 
 
@@ -681,6 +688,10 @@ def test_engine_calls_cross_to_the_followers_unchanged():
     kwargs = {"temperature": 0.7, "top_p": 0.9, "seed": 12, "stop": ["\n\n"], "max_tokens": 5,
               "logit_bias": {17: -100.0, 3: 2.5}, "policy": "fixed", "kv_bits": None}
     assert from_wire(json.loads(json.dumps(to_wire(kwargs)))) == kwargs
+    from dflash.grammar import Grammar
+
+    constrained = {"grammar": Grammar.json_schema({"type": "object"}), "max_tokens": 3}
+    assert from_wire(json.loads(json.dumps(to_wire(constrained)))) == constrained
     # one rank: the call is what rank 0 holds, no collective
     assert distributed.call_to_followers(Ranks(), {"a": 1}) is None
     assert distributed.call_from_main(Ranks()) is None
@@ -732,6 +743,7 @@ def _worker(target: str, draft: str, out: str) -> None:
     from dflash import distributed
     from dflash.cli import build_parser
     from dflash.cli_args import encode
+    from dflash.grammar import Grammar, logits_processor
     from dflash.pair import load_pair
     from dflash.speculative import stream_generate
     from dflash.target import forward, make_cache, target_parts, tree_supported
@@ -762,6 +774,14 @@ def _worker(target: str, draft: str, out: str) -> None:
     penalised = mlx_lm(max_tokens=n,
                        logits_processors=make_logits_processors(repetition_penalty=1.5))
     long_reference = mlx_lm(max_tokens=4 * n)
+    # A grammar on a split target: each rank binds it to its own tokenizer; the masks agree
+    # because the same tokens reach every rank's matcher.
+    grammar = Grammar.regex(r"[a-z]{2,7}( [a-z]{2,7}){3,12}\.")
+    constrained_reference = mlx_lm(max_tokens=n, logits_processors=[
+        logits_processor(grammar.bind(pair.tokenizer, parts.vocab_size), len(ids))])
+    eos = set(pair.tokenizer.eos_token_ids)  # generate_step goes on past the end; dflash stops
+    constrained_reference = constrained_reference[:next(
+        (i for i, t in enumerate(constrained_reference) if t in eos), n)]
 
     plans = []  # what each run's policy chose (counted on every rank from its own outcomes)
 
@@ -783,12 +803,16 @@ def _worker(target: str, draft: str, out: str) -> None:
     tree = run(policy="tree", repetition_penalty=1.5) if trees else None
     long = run(max_tokens=4 * n)  # long enough for the context to repeat itself
     sampled = [run(temperature=0.8, seed=7), run(temperature=0.8, seed=7)]
+    constrained = run(grammar=grammar)
+    constrained_sampled = run(grammar=grammar, temperature=0.8, seed=3)
     sharded = any(type(m).__name__.startswith(("AllToSharded", "ShardedToAll"))
                   for _, m in pair.model.named_modules())
     result = {"rank": ranks.rank, "size": ranks.size, "taps_equal": same_everywhere(taps),
               "mlx_lm_greedy": reference, "dflash_greedy": greedy, "mlx_lm_penalised": penalised,
               "dflash_penalised": greedy_penalised, "dflash_fixed": fixed, "dflash_tree": tree,
               "mlx_lm_long": long_reference, "dflash_long": long, "sampled": sampled,
+              "mlx_lm_constrained": constrained_reference, "dflash_constrained": constrained,
+              "constrained_sampled": pair.tokenizer.decode(constrained_sampled),
               "plans": plans, "plans_agree": same_everywhere(plans),
               "ranks_agree": same_everywhere(greedy + long + sampled[0]), "sharded": sharded}
     Path(out).with_suffix(f".{ranks.rank}.json").write_text(json.dumps(result))

@@ -19,11 +19,13 @@ be out of step, so the server stops generating (``RankLost``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from .. import distributed
 from ..batch import BatchGenerator
+from ..grammar import BoundGrammar, Grammar
 from ..policy.memory import PairMemory
 from ..ranks import Ranks
 from ..speculative import stream_generate
@@ -31,10 +33,17 @@ from .scopes import Scopes
 
 
 def to_wire(kwargs: dict) -> dict:
-    """Engine keyword arguments as JSON can carry them (``logit_bias`` keys are integers)."""
+    """Engine keyword arguments as JSON can carry them (``logit_bias`` keys are integers; a
+    grammar goes as its tokenizer-free :class:`~dflash.grammar.Grammar`, which each rank binds
+    to its own tokenizer: the same masks everywhere, as the same tokens reach every matcher)."""
     out = dict(kwargs)
     if isinstance(out.get("logit_bias"), dict):
         out["logit_bias"] = [[int(k), float(v)] for k, v in out["logit_bias"].items()]
+    grammar = out.get("grammar")
+    if isinstance(grammar, BoundGrammar):
+        grammar = grammar.grammar
+    if isinstance(grammar, Grammar):
+        out["grammar"] = dataclasses.asdict(grammar)
     return out
 
 
@@ -43,6 +52,8 @@ def from_wire(kwargs: dict) -> dict:
     out = dict(kwargs)
     if isinstance(out.get("logit_bias"), list):
         out["logit_bias"] = {int(k): v for k, v in out["logit_bias"]}
+    if isinstance(out.get("grammar"), dict):
+        out["grammar"] = Grammar(**out["grammar"])
     return out
 
 

@@ -22,7 +22,7 @@
 #   interruption (`adapt` resumes the training run from its last checkpoint).
 #   env: DFLASH_HOME (~/.cache/dflash), ADAPT_DIR ($DFLASH_HOME/adapt), GSM8K (the GSM8K train
 #        split, ../shared/datasets/gsm8k-train.jsonl), BASE (the target fine-tuned: the built-in
-#        one), DRAFT (the drafter adapted: the built-in one), LORA_ITERS (120), LORA_LR (2e-4),
+#        one), DRAFT (the drafter adapted: the built-in one), LORA_ITERS (60), LORA_LR (2e-4),
 #        DATA_N (records to generate, 300), GEN_WORKERS (2), LR (6e-4), EVAL_EVERY (250),
 #        TAU_TOKENS (128), TAU_LIMIT (the first 40 of the 100 held-out
 #        questions: ~15 CPU-s a question)
@@ -38,7 +38,7 @@ DRAFT=${DRAFT:-$($PY -c 'from dflash.default_pair import default_draft_path as p
 FT=$A/smollm2-gsm8k            # the fused fine-tune (float)
 RUN=$A/run                     # the adaptation run (dflash train --out)
 HELDOUT=$A/gsm8k/heldout.jsonl # the evaluation prompts
-LORA_ITERS=${LORA_ITERS:-120}
+LORA_ITERS=${LORA_ITERS:-60}
 LORA_LR=${LORA_LR:-2e-4}
 DATA_N=${DATA_N:-300}
 TAU_ARGS=(--tau --block-size 16 --max-tokens "${TAU_TOKENS:-128}" --limit "${TAU_LIMIT:-40}"
@@ -102,7 +102,7 @@ EOF
     mlx_lm lora --model "$BASE" --train --data "$G" -c "$A/lora.yaml" --batch-size 4 \
         --iters "$LORA_ITERS" --learning-rate "$LORA_LR" --num-layers 16 --mask-prompt \
         --max-seq-length 512 --steps-per-report 10 --steps-per-eval "$LORA_ITERS" \
-        --val-batches 10 --save-every 50 --adapter-path "$A/lora.tmp" --seed 0
+        --val-batches 2 --save-every 20 --adapter-path "$A/lora.tmp" --seed 0
     rm -rf "$A/lora"; mv "$A/lora.tmp" "$A/lora"
   fi
   if [ ! -f "$FT/config.json" ]; then
