@@ -345,6 +345,44 @@ class GrammarState:
         self.forced_total += forced
         return Constrained(tokens, qs, bits, forced)
 
+    def tree(self, tree) -> tuple[list[int], list[np.ndarray]]:
+        """The nodes of a draft tree (:class:`~dflash.tree.DraftTree`) a verify pass may spend
+        rows on, and each kept node's mask (the state after its own path; the root's: the
+        current state). A node is cut, with its subtree, where its parent's state rejects its
+        token, where nothing can follow it, or below an end of text. Returns the kept nodes'
+        indices in ``tree`` (the root first, parents before children) and their masks; the
+        matcher is left as it was. Cutting a node is exact: the walk could never accept it (its
+        parent's row is drawn from the masked distribution)."""
+        kept, bits, where = [0], [self.bits()], {0: 0}
+        for i in range(1, len(tree)):
+            parent = where.get(tree.parents[i])
+            token = int(tree.tokens[i])
+            if parent is None or bits[parent] is self.end_bits \
+                    or not self.allows(bits[parent], token):
+                continue
+            if token in self.ends:  # not consumed (see Constrained.pending_end)
+                node_bits = self.end_bits
+            else:
+                path = [int(tree.tokens[j]) for j in tree.path_to(i)]
+                self.matcher.consume_tokens(path)
+                if self.matcher.is_error():  # nothing can follow it: not verified
+                    self._restart([])
+                    continue
+                node_bits = self.bits()
+                self.matcher.rollback(len(path))
+            where[i] = len(kept)
+            kept.append(i)
+            bits.append(node_bits)
+        return kept, bits
+
+    def settle_path(self, tokens: Sequence[int], bonus: int) -> None:
+        """After a tree's verify pass: the accepted path's ``tokens`` and the target's token
+        after them, consumed (:meth:`tree` left the matcher at the emitted tokens)."""
+        for t in tokens:
+            self.consume(t)
+        if not (tokens and int(tokens[-1]) in self.ends):  # nothing follows an end of text
+            self.consume(bonus)
+
     def settle(self, c: Constrained, accepted: int, bonus: int) -> None:
         """After the verify pass: keep the accepted proposals and the target's token after them
         (the matcher then holds exactly the emitted tokens)."""

@@ -58,7 +58,7 @@ def build_request(parts: TargetParts, draft, tokenizer, prompt: str | Sequence[i
                 f"policy='tree' with kv_bits={s.kv_bits}: a quantized KV cache verifies chains "
                 "(policy 'auto', 'fixed' or 'confidence')")
     check_trees_possible(policy, tree_supported(parts, make_cache(parts, kv)))
-    bound = _bind_grammar(s.grammar, tokenizer, parts, policy)
+    bound = _bind_grammar(s.grammar, tokenizer, parts)
     prompt_ids = _prompt_ids(parts, tokenizer, prompt)
     check_logprobs(s.logprobs, parts.vocab_size)
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -88,16 +88,11 @@ def _prompt_ids(parts: TargetParts, tokenizer, prompt) -> list[int]:
     return prompt_ids
 
 
-def _bind_grammar(grammar, tokenizer, parts: TargetParts, policy: str) -> BoundGrammar | None:
+def _bind_grammar(grammar, tokenizer, parts: TargetParts) -> BoundGrammar | None:
     """``grammar`` checked against the tokenizer and the settings it cannot go with (typed errors
     naming the setting: never an answer silently unconstrained)."""
     if grammar is None:
         return None
-    if policy == "tree":
-        # Each node of a tree would need the grammar state of its own path: chains only.
-        raise GenerationConfigError(
-            "policy='tree' with a grammar: constrained decoding verifies chains (policy 'auto', "
-            "'fixed' or 'confidence'; 'auto' then verifies no trees)")
     if isinstance(grammar, BoundGrammar):
         if grammar.vocab_size != parts.vocab_size:
             raise GenerationConfigError(

@@ -268,8 +268,9 @@ def new_state(parts, draft, request: DecodeRequest, cache: list | None, dcache: 
     engine's cycle, on the same state), started from what the pair's earlier generations taught
     it where there is a memory (``request.memory``, else the drafter's, see
     :func:`~dflash.policy.memory.memory_of`). ``cache is None``: its caches come later."""
-    # A grammar verifies chains: every row's mask is the state after the rows before it.
-    trees = request.grammar is None and \
+    # Under a grammar "auto" verifies chains, where the tokens it forces are free proposals;
+    # "tree" verifies trees, each node masked with the state after its own path.
+    trees = (request.grammar is None or request.policy == "tree") and \
         tree_supported(parts, make_cache(parts) if cache is None else cache)
     # A seeded sampled generation reproduces only if its verify shapes do (they decide how the
     # random stream is consumed): it starts from the raw confidence and prices its plans with the
@@ -594,6 +595,10 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
     if isinstance(plan, Continuation):
         tree = DraftTree([state.history[-1]] + tree.tokens[1:], tree.parents, tree.depths,
                          tree.scores, tree.ranks)
+    kept, bits = list(range(len(tree))), None
+    if state.grammar is not None:  # nodes the grammar rejects cost no row; each row its mask
+        kept, bits = state.grammar.tree(tree)
+        tree = tree.subtree(kept)
     drafted = time.perf_counter()
     start = len(state.fed)
     logits, taps = tree_forward(parts, tree, state.cache, draft.target_layer_ids)
@@ -605,8 +610,12 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
         processed = mx.concatenate(rows)
     else:
         processed = sampler.process(logits, state.history, None)
+    if bits is not None:
+        processed = apply_mask(processed, state.grammar.allowed(bits))
     # One independent draw per node (argmax when greedy): exact without the drafter's q.
     path, bonus = walk(tree, sampler.sample(processed).tolist())
+    if bits is not None:
+        state.grammar.settle_path([tree.tokens[i] for i in path], bonus)
     state.timed("verify", len(tree), start, time.perf_counter() - drafted)
     keep = [0] + path
     # The root and the accepted nodes predicted the emitted tokens (the path, then the bonus).
@@ -614,7 +623,7 @@ def verify_tree(parts, draft, request: DecodeRequest, state: DecodeState,
     commit_tree_path(state.cache, start, keep, len(tree))
     state.fed += [tree.tokens[i] for i in keep]
     state.commit_taps(taps[:, mx.array(keep)])
-    state.policy.observe(Outcome(plan, len(path), tuple(path),
+    state.policy.observe(Outcome(plan, len(path), tuple(kept[i] for i in path),
                                  None if block is None else block.log_conf,
                                  0 if block is None else block.rows, context))
     mx.async_eval(state.pending, [c.state for c in state.cache])

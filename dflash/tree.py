@@ -45,6 +45,15 @@ class DraftTree:
         return DraftTree(self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k],
                          None if self.ranks is None else self.ranks[:k])
 
+    def subtree(self, kept: list[int]) -> DraftTree:
+        """The tree of the nodes ``kept`` (indices, the root first, each node's parent kept
+        before it), renumbered in that order."""
+        where = {old: new for new, old in enumerate(kept)}
+        return DraftTree([self.tokens[i] for i in kept],
+                         [-1 if self.parents[i] < 0 else where[self.parents[i]] for i in kept],
+                         [self.depths[i] for i in kept], [self.scores[i] for i in kept],
+                         None if self.ranks is None else [self.ranks[i] for i in kept])
+
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents[1:], 1))
 

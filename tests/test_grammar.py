@@ -198,11 +198,42 @@ def test_an_end_of_text_proposal_is_never_consumed_tentatively():
     assert ended.committed == [0, 1, 7, 7] and ended.dead is None
 
 
-def test_tree_policy_and_foreign_objects_are_refused(builtin):
+def test_tree_nodes_get_their_own_paths_masks_and_rejected_ones_are_cut():
+    """Each node's mask is the state after its own path; a node whose token its parent's state
+    rejects is cut with its subtree, and the matcher is left at the emitted tokens."""
+    from dflash.tree import DraftTree
+
+    bound = Grammar.lark('start: "a" "b" | "b" "a"').bind(byte_tokenizer(), 8)
+    state = bound.start()
+    #        root 5 ─ a(1) ─ b(4)      c(2): rejected, with its child a(5)
+    #               ├ c(2) ─ a(5)      b(3) ─ a(6)
+    #               └ b(3) ─ a(6)
+    tree = DraftTree([5, 0, 2, 1, 1, 0, 0], [-1, 0, 0, 0, 1, 2, 3], [0, 1, 1, 1, 2, 2, 2],
+                     [0.0] * 7)
+    kept, bits = state.tree(tree)
+    assert kept == [0, 1, 3, 4, 6]
+    allowed = [{t for t in range(8) if state.allows(b, t)} for b in bits]
+    assert allowed == [{0, 1}, {1}, {0}, {7}, {7}]  # a -> b; b -> a; then only the end
+    assert (state.bits() == bound.start().bits()).all()  # left as it was
+    sub = tree.subtree(kept)
+    assert sub.tokens == [5, 0, 1, 1, 0] and sub.parents == [-1, 0, 0, 1, 2]
+    state.settle_path([1, 0], 7)  # the walk took b, a; the target then ended
+    assert state.committed == [1, 0, 7] and state.dead is None
+
+
+def test_tree_policy_with_a_grammar_equals_mlx_lm_with_the_mask(builtin):
     model, tokenizer, draft = builtin
-    with pytest.raises(GenerationConfigError, match="policy='tree' with a grammar"):
-        generate(model, draft, tokenizer, "hi", max_tokens=4, policy="tree",
-                 grammar=Grammar.json_object())
+    prompt = chat(tokenizer, QUESTIONS["person"])
+    grammar = Grammar.json_schema(PERSON)
+    out = generate(model, draft, tokenizer, prompt, max_tokens=48, grammar=grammar,
+                   policy="tree")
+    assert out.tokens == reference(model, tokenizer, prompt, grammar, 48)
+    check_answer(out.text, PERSON, out.finish_reason)
+    assert out.stats.tree_cycles > 0
+
+
+def test_foreign_grammar_objects_are_refused(builtin):
+    model, tokenizer, draft = builtin
     with pytest.raises(GenerationConfigError, match="grammar="):
         generate(model, draft, tokenizer, "hi", max_tokens=4, grammar={"type": "object"})
 

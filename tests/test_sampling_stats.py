@@ -784,3 +784,56 @@ def test_grammar_keeps_the_restricted_target_distribution(case, proposal, pair, 
           f"chi-square divergence >= {detectable(df):.3f}) cycles={cycles} forced={forced}")
     assert p >= ALPHA, f"grammar/{case}/{proposal}: chi2={stat:.1f} on {df} df, p={p:.2e}"
     assert forced >= N // 2  # the forced "c" went out as a free proposal
+
+
+def _path_blind_masks(tree_masks):
+    def broken(self, tree):
+        kept, bits = tree_masks(self, tree)
+        return kept, [bits[0]] * len(bits)  # every node masked with the root's state
+
+    return broken
+
+
+@pytest.mark.parametrize(("case", "broken"), [("temperature", False), ("card", False),
+                                              ("temperature", True)])
+def test_grammar_trees_keep_the_restricted_target_distribution(case, broken, pair, raw_table,
+                                                               raw_np, monkeypatch):
+    """``policy="tree"`` under a grammar: nodes the grammar rejects are cut before the pass and
+    each node's row is masked with the state after its own path; the output's law is still the
+    target's distribution restricted to the grammar (same test, same power as above). Broken on
+    purpose (every node masked with the root's state), the same test fails."""
+    from dflash.grammar import GrammarState
+
+    if broken:
+        monkeypatch.setattr(GrammarState, "tree", _path_blind_masks(GrammarState.tree))
+    bound = tiny_grammar()
+    settings = CASES[case]
+    joint = exact_joint(reference_next(raw_table, settings, grammar_allowed(bound)))
+    model, draft = pair
+    seqs = np.zeros((N, K), dtype=np.int64)
+    tree_cycles = cycles = impossible = 0
+    for s in range(N):
+        tokens, last = [], None
+        for r in stream_generate(model, TableDrafter(draft, raw_np), None, PROMPT,
+                                 block_size=BLOCK, max_tokens=K, seed=s, policy="tree",
+                                 tree_budget=TREE_BUDGET, grammar=bound, **settings):
+            tokens += r.tokens
+            last = r
+        if len(tokens) != K:  # an answer the grammar cannot end there: impossible
+            assert broken, tokens
+            impossible += 1
+            continue
+        seqs[s] = tokens
+        tree_cycles += last.tree_cycles
+        cycles += last.cycles
+    if broken and impossible:
+        print(f"\ngrammar-tree broken: {impossible} of {N} answers impossible under the grammar")
+        return
+    stat, df, p = chi_square(seqs, joint)
+    print(f"\ngrammar-tree/{case}: chi2={stat:.1f} df={df} p={p:.3g} (90% power against "
+          f"chi-square divergence >= {detectable(df):.3f}) tree cycles={tree_cycles}/{cycles}")
+    if broken:
+        assert p < ALPHA, f"the test missed path-blind tree masks: p={p:.3g}"
+        return
+    assert p >= ALPHA, f"grammar-tree/{case}: chi2={stat:.1f} on {df} df, p={p:.2e}"
+    assert tree_cycles >= N // 2  # trees were verified

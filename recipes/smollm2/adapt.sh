@@ -190,11 +190,12 @@ stage_report() {
 import json, sys
 from pathlib import Path
 a = Path(sys.argv[1])
+runs = {}
 def tau(name):
     p = a / name / "tau.json"
     if not p.is_file():
         return None
-    r = json.loads(p.read_text())
+    runs[name] = r = json.loads(p.read_text())
     return next(iter(r["drafters"].values()))["all"]
 def cpu(name):  # the CPU-s the exported drafter had trained for
     p = a / name / "config.json"
@@ -213,14 +214,17 @@ res["verdict"] = (None if best is None or f is None else
                   "keep" if best - f > 0.05 else "not")
 (a / "tau.json").write_text(json.dumps(res, indent=2) + "\n")
 fmt = lambda x: "—" if x is None else f"{x:.3f}"
+first = next(iter(runs.values()), {"max_tokens": "?", "domains": {}})
+res["prompts"] = sum(first["domains"].values())
 lines = ["# Adapting the built-in drafter to a GSM8K fine-tune of its target", "",
-         "Whole-block τ at block 16 (`dflash bench --tau`, greedy, 128 tokens) on 100 held-out "
-         "GSM8K questions (`gsm8k/heldout.jsonl`).", "",
+         f"Whole-block τ at block 16 (`dflash bench --tau`, greedy, {first['max_tokens']} tokens) "
+         f"on the first {res['prompts']} of the 100 held-out GSM8K questions "
+         "(`gsm8k/heldout.jsonl`); `bash recipes/smollm2/adapt.sh` wrote every number.", "",
          "| target | drafter | τ |", "|---|---|---:|",
          f"| base (built-in SmolLM2-135M-Instruct f32) | built-in | {fmt(b)} |",
          f"| fine-tune (LoRA on GSM8K, fused) | built-in | {fmt(f)} |",
-         f"| fine-tune | adapted, 1 CPU-h (step {res['steps_1h']}) | {fmt(res['finetune_after_1h'])} |",
-         f"| fine-tune | adapted, 2 CPU-h (step {res['steps_2h']}) | {fmt(res['finetune_after_2h'])} |",
+         f"| fine-tune | adapted, 1 CPU-h (step {res['steps_1h'] or '—'}) | {fmt(res['finetune_after_1h'])} |",
+         f"| fine-tune | adapted, 2 CPU-h (step {res['steps_2h'] or '—'}) | {fmt(res['finetune_after_2h'])} |",
          "", f"recovered fraction (after − before) / (base − before): 1 h "
          f"{fmt(res['recovered_1h'])}, 2 h {fmt(res['recovered_2h'])}",
          "", f"verdict: {res['verdict'] or 'pending (stages still to run)'}", ""]
