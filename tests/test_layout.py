@@ -21,7 +21,7 @@ LAYERS: dict[str, set[str]] = {
               "cache_files"},
     # What to verify each cycle and what it costs: pure decisions, below the engines that run them.
     "policy": {"policy.*", "cost_model"},
-    "engine": {"model_mlx", "pair", "settings", "request", "speculative", "batch", "prompt_cache",
+    "engine": {"model_mlx", "pair", "settings", "request", "speculative", "batch", "batch_pass", "prompt_cache",
                "acceptance", "stats"},
     "tools": {"serving.*", "training.*", "bench", "bench_runs", "bench_report", "bench_trace",
               "bench_concurrency", "convert", "convert_plan", "convert_card", "export", "tau",

@@ -184,9 +184,12 @@ class Worker:
             if self.lost is not None:
                 return
             self.lost = RankLost(reason)
-        log(f"error: {reason}")
-        for job in [*self._open_jobs(), *self._take_queued()]:
+            # Under the lock: a job becomes open (``_claim``) either before, and hears it
+            # here, or after, and hears it there; none is left waiting on a dead collective.
+            told = [*self._open_jobs(), *self._take_queued()]
+        for job in told:  # before logging: a write to stderr can block (a full pipe)
             job.emit("error", RankLost(reason))
+        log(f"error: {reason}")
         if self.on_lost is not None:
             self.on_lost()
 
@@ -199,6 +202,19 @@ class Worker:
                 self.lose(f"no answer from {distributed.other_ranks(self.ranks)} of the sharded "
                           f"target for {waited:.0f} s (a rank hangs or its link is down); this "
                           "server cannot generate until the launch is restarted")
+
+    def _claim(self, job: Job, uid: int | None = None) -> bool:
+        """Make ``job`` an open job (the current one, or running as ``uid``) unless the ranks
+        are lost; then it hears why and ``False`` is returned."""
+        with self._lost_lock:
+            if self.lost is None:
+                if uid is None:
+                    self.current = job
+                else:
+                    self.running[uid] = job
+                return True
+        job.emit("error", RankLost(str(self.lost)))
+        return False
 
     def _open_jobs(self) -> list[Job]:
         """The jobs generating now."""
@@ -409,7 +425,7 @@ class Worker:
                     job.emit("error", e)
                 continue
             job.started = time.perf_counter()
-            self.running[uid] = job
+            self._claim(job, uid)
         return None
 
     def _batch_step(self, batch: BatchGenerator) -> bool:
@@ -508,7 +524,8 @@ class Worker:
         """One job on every rank: its call handed to the other ranks, then the single-sequence
         engine here, and after each cycle whether the ranks go on (the same cycle everywhere)."""
         self._beat_now()  # before it is current: the watchdog times a current job from here
-        self.current = job
+        if not self._claim(job):
+            return
         job.started = time.perf_counter()
         settings = job.settings
         if settings.seed is None:  # sampled: every rank draws from rank 0's seed
