@@ -113,8 +113,126 @@ def ask(base: str, body: dict, model: str = "default") -> dict:
             "cached": getattr(details, "cached_tokens", None) if details is not None else None}
 
 
-def replay(base: str, requests: list[dict], model: str = "default") -> list[dict]:
-    return [ask(base, r["body"], model) for r in requests]
+def ask_responses(base: str, body: dict, max_tokens: int) -> dict:
+    """One Responses request as its client sent it, streamed, greedy, at most ``max_tokens``
+    out (Codex sends no limit: the answer could run to the end of the context)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=600, max_retries=0)
+    fields = {k: v for k, v in body.items() if k not in ("stream", "model")}
+    fields.update(temperature=0, max_output_tokens=max_tokens)
+    tic = time.perf_counter()
+    first, text, usage = None, [], None
+    for event in client.responses.create(model="default", stream=True, **fields):
+        if event.type == "response.output_text.delta" and event.delta:
+            first = time.perf_counter() - tic if first is None else first
+            text.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            usage = event.response.usage
+    total = time.perf_counter() - tic
+    return {"ttft": first if first is not None else total, "e2e": total, "text": "".join(text),
+            "prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
+            "cached": usage.input_tokens_details.cached_tokens}
+
+
+def ask_messages(base: str, body: dict, max_tokens: int) -> dict:
+    """One Anthropic Messages request as its client sent it, streamed, greedy (``max_tokens``
+    at most: the recorded one, or less)."""
+    from anthropic import Anthropic
+
+    client = Anthropic(base_url=base, api_key="unused", timeout=600, max_retries=0)
+    fields = {k: v for k, v in body.items() if k not in ("stream", "model", "max_tokens")}
+    fields["temperature"] = 0
+    tic = time.perf_counter()
+    first, text = None, []
+    with client.messages.stream(model="default", max_tokens=min(max_tokens, body["max_tokens"]),
+                                **fields) as stream:
+        for piece in stream.text_stream:
+            if piece and first is None:
+                first = time.perf_counter() - tic
+            text.append(piece)
+        usage = stream.get_final_message().usage
+    total = time.perf_counter() - tic
+    cached = usage.cache_read_input_tokens or 0
+    return {"ttft": first if first is not None else total, "e2e": total, "text": "".join(text),
+            "prompt_tokens": usage.input_tokens + cached, "completion_tokens": usage.output_tokens,
+            "cached": cached}
+
+
+def ask_completion(base: str, prompt: str, max_tokens: int, model: str) -> dict:
+    """The prompt text a request renders to, as a streamed, greedy ``/v1/completions``."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=600, max_retries=0)
+    tic = time.perf_counter()
+    first, text, usage = None, [], None
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.text and first is None:
+                first = time.perf_counter() - tic
+            text.append(choice.text or "")
+    total = time.perf_counter() - tic
+    details = getattr(usage, "prompt_tokens_details", None)
+    return {"ttft": first if first is not None else total, "e2e": total, "text": "".join(text),
+            "prompt_tokens": getattr(usage, "prompt_tokens", None),
+            "completion_tokens": getattr(usage, "completion_tokens", None),
+            "cached": getattr(details, "cached_tokens", None)}
+
+
+def rendered_prompt(endpoint: str, body: dict, tokenizer, target: Path) -> str:
+    """The prompt text dflash's ``/v1/responses`` or ``/v1/messages`` renders ``body`` to (its
+    instructions, tools and history through the chat template): mlx_lm.server has neither
+    endpoint, so it gets this text as a completion. Checked to encode back to the same ids."""
+    from dflash.serving.anthropic_format import parse_messages_request
+    from dflash.serving.reasoning import think_tags
+    from dflash.serving.requests import ServedModel
+    from dflash.serving.responses_format import parse_responses_request
+    from dflash.serving.tools import tool_format
+
+    served = ServedModel(name="default", path=str(target), vocab_size=len(tokenizer.vocab),
+                         max_context=None, think_tags=think_tags(tokenizer),
+                         tool_format=tool_format(tokenizer))
+    parse = parse_messages_request if endpoint == "messages" else parse_responses_request
+    ids = parse(dict(body, model="default"), tokenizer, served).prompt_ids
+    text = tokenizer.decode(ids)
+    if tokenizer.encode(text) != list(ids):
+        raise SystemExit("the rendered prompt does not encode back to its token ids: "
+                         "mlx_lm.server would see another prompt")
+    return text
+
+
+def replay(base: str, requests: list[dict], model: str = "default", *,
+           max_tokens: int = 200, prompts: list[str | None] | None = None) -> list[dict]:
+    """Each request in turn: chat requests as sent; Responses and Messages requests as sent to
+    dflash (``model == "default"``) and as their rendered ``prompts`` to mlx_lm.server."""
+    out = []
+    for k, r in enumerate(requests):
+        if r["endpoint"] == "chat":
+            out.append(ask(base, r["body"], model))
+        elif model != "default":
+            out.append(ask_completion(base, prompts[k], min(max_tokens, r["body"].get(
+                "max_tokens", max_tokens)), model))
+        elif r["endpoint"] == "messages":
+            out.append(ask_messages(base, r["body"], max_tokens))
+        else:
+            out.append(ask_responses(base, r["body"], max_tokens))
+    return out
+
+
+def rendered_prompts(requests: list[dict], target: Path) -> list[str | None]:
+    """Per request, the prompt text mlx_lm.server gets for it (``None``: a chat request, sent
+    as it is)."""
+    if all(r["endpoint"] == "chat" for r in requests):
+        return [None] * len(requests)
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(target)
+    return [None if r["endpoint"] == "chat" else
+            rendered_prompt(r["endpoint"], r["body"], tokenizer, target) for r in requests]
 
 
 def cold_prompts(lengths: list[int]) -> list[dict]:
@@ -253,7 +371,8 @@ def main() -> None:
     p.add_argument("--cold", default=None, help="cold prompts of these lengths, e.g. 512,2048")
     p.add_argument("--make", choices=["edit-file", "interleaved"], default=None)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=200,
+                   help="tokens out for --make, and for Responses requests (Codex sends no limit)")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args()
     if args.make:
@@ -266,20 +385,22 @@ def main() -> None:
         tmp = Path(tmp)
         cache_dir = tmp / "prompt-cache"
         for path in args.session:
-            requests = [r for r in read_session(path) if r["endpoint"] == "chat"]
+            requests = [r for r in read_session(path) if r["endpoint"] in ("chat", "responses", "messages")]
+            prompts = rendered_prompts(requests, target)
             names = [f"turn {i + 1}" for i in range(len(requests))]
             if args.retry:
                 requests, names = requests + requests[-1:], names + ["retry of the last"]
             with server("dflash", target, tmp / "dflash.log",
                         "--prompt-cache-dir", str(cache_dir)) as base:
-                ours = replay(base, requests)
+                ours = replay(base, requests, max_tokens=args.max_tokens)
             with server("mlx", target, tmp / "mlx.log") as base:
-                theirs = replay(base, requests, str(target))
+                theirs = replay(base, requests, str(target), max_tokens=args.max_tokens,
+                                prompts=prompts)
             rows = [row(n, d, m) for n, d, m in zip(names, ours, theirs)]
             if args.restart:
                 with server("dflash", target, tmp / "dflash2.log",
                             "--prompt-cache-dir", str(cache_dir)) as base:
-                    again = ask(base, requests[-1]["body"])
+                    again = replay(base, requests[-1:], max_tokens=args.max_tokens)[0]
                 warm = theirs[len(requests) - (2 if args.retry else 1)]
                 rows.append(row("last, after restart", again, warm))
             print(f"\n{path}")

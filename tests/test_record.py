@@ -46,3 +46,45 @@ def test_bad_folders_and_lines_are_named(tmp_path):
             read_session(bad)
     with pytest.raises(TraceFileError, match="cannot be read"):
         read_session(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("name, endpoint", [("codex", "responses"),
+                                            ("claude-code", "messages")])
+def test_shipped_agent_sessions_render_for_mlx_lm(name, endpoint):
+    """The real agent sessions shipped for ``benchmarks/replay.py`` (recorded from the Codex CLI
+    and Claude Code against ``dflash serve`` on the built-in pair) read back, each request
+    renders to a prompt text that encodes back to the same ids (what mlx_lm.server, which has
+    neither endpoint, is sent as a completion), and every turn's prompt extends an earlier
+    one: the conversation is resent whole, so a cache holding prompt and reply serves it."""
+    import sys
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from tiny_models import tokenizer_source
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import replay
+
+    session = read_session(root / "benchmarks" / "sessions" / f"{name}.jsonl")
+    assert len(session) >= 3 and {r["endpoint"] for r in session} == {endpoint}
+    target = tokenizer_source()
+    tokenizer = load_tokenizer(target)
+    prompts = replay.rendered_prompts(session, target)
+    ids = [tokenizer.encode(p) for p in prompts]
+    assert all(ids)  # (rendered_prompts refuses text that does not encode back to its ids)
+    shared = [len(_common(ids[k], ids[k - 1])) for k in range(1, len(ids))]
+    # Each request shares at least the first one's whole prompt (system prompt, tools, first
+    # message) with the one before it; most resend the previous prompt whole, with the reply
+    # after it. Claude Code's `--continue` rebuilds the history of cut answers shorter (the two
+    # requests of this session that do not extend the previous one whole).
+    assert min(shared) >= len(ids[0]), shared
+    whole = sum(n == len(ids[k]) for k, n in enumerate(shared))
+    assert whole == len(shared) if name == "codex" else whole >= len(shared) - 2, shared
+
+
+def _common(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
