@@ -211,7 +211,7 @@ def test_a_few_steps_lower_both_losses(pattern, tmp_path):  # noqa: F811
     total0, sel0 = losses()
     book0 = np.array(tr.draft.candidate_selector.successor_codebook.weight)
     for _ in range(15):
-        tr.train_step(tr.make_batch(tr._next_samples(), np.random.default_rng(tr.step)))
+        tr.train_step(tr.make_batch(tr.feed.next_samples(), np.random.default_rng(tr.step)))
         tr.step += 1
     total1, sel1 = losses()
     assert total1 < 0.5 * total0, (total0, total1)

@@ -342,13 +342,13 @@ def test_a_step_waiting_for_a_claimed_sample_computes_the_next_steps_meanwhile(
     a process that died."""
     tr = Trainer(opts(pattern, tmp_path / "d", stream_features=1, soft_topk=4))
     try:
-        samples = tr._next_samples()
+        samples = tr.feed.next_samples()
         held = samples[0]
         sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         claim = tr.features.path(held).with_suffix(".claim")
         claim.parent.mkdir(parents=True, exist_ok=True)
         claim.write_text(str(sleeper.pid))
-        tr._prepare(samples)
+        tr.feed.prepare(samples)
         ahead = tr.data.peek(10_000)
         assert not tr.features.has(held)
         assert all(tr.features.has(s) for s in samples[1:] + ahead)
@@ -474,7 +474,7 @@ def test_a_few_steps_lower_the_loss(pattern, tmp_path):
     batch = tr.make_batch(tr.samples[:4], np.random.default_rng(5))
     before = block_loss(tr.draft, tr.embed, tr.head_w, batch, 0.5)[0].item()
     for _ in range(15):
-        tr.train_step(tr.make_batch(tr._next_samples(), np.random.default_rng(tr.step)))
+        tr.train_step(tr.make_batch(tr.feed.next_samples(), np.random.default_rng(tr.step)))
         tr.step += 1
     after = block_loss(tr.draft, tr.embed, tr.head_w, batch, 0.5)[0].item()
     assert after < 0.5 * before, (before, after)

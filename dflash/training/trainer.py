@@ -1,9 +1,10 @@
 """One training run, ``Trainer(opts).run()``, composed of the parts in this package.
 
 The trainer owns the loop (batches, optimizer steps, logging, when to evaluate and checkpoint);
-the data order (:class:`~dflash.training.data.DataOrder`), the training vocabulary
-(:class:`~dflash.training.vocab.TrainingVocab`), target features, checkpoints and evaluation live
-in their own modules. All state needed to resume is in checkpoints: a resumed run takes the same
+where a run starts and the drafter it starts with (:mod:`~dflash.training.start`), the data order
+and the target features fed to each step (:class:`~dflash.training.feed.Feed`), the training
+vocabulary (:class:`~dflash.training.vocab.TrainingVocab`), checkpoints and evaluation live in
+their own modules. All state needed to resume is in checkpoints: a resumed run takes the same
 steps, on the same data, with the same numbers as one that never stopped.
 
 Under ``mlx.launch`` the run is data-parallel (:mod:`dflash.ranks`): every rank
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,50 +33,28 @@ from mlx.utils import tree_map
 from tqdm import tqdm
 
 from ..console import log
-from ..drafter import DFlashConfig, DFlashDraftModel
-from ..errors import TrainConfigError, TrainingDataError
+from ..drafter import DFlashConfig
+from ..errors import TrainConfigError
 from ..ranks import init_ranks
 from ..target import load_target as load
 from ..target import target_parts
 from . import checkpoints
 from .batches import Batch, make_batch
-from .data import DataOrder, Sample, read_samples, seen_ids
+from .data import DataOrder, Sample, read_samples
 from .evaluation import engine_tau, load_eval_prompts, validation_metrics
-from .features import FeatureStore, FeatureStream, precompute_features
-from .initialise import (
-    DEFAULT_WINDOW,
-    align_context,
-    dflash2_config_dict,
-    draft_config_dict,
-    export_draft,
-    grow_identity_layers,
-    grown_config,
-    head_matrix,
-    init_from_target,
-    init_layer_ids,
-    new_draft,
-    read_v1_drafter,
-    target_config,
-)
+from .features import FeatureStore, FeatureStream
+from .feed import EVAL_AHEAD_STEPS, Feed, status
+from .initialise import export_draft, head_matrix, target_config
 from .jsonl import open_append
 from .loss import block_loss, block_stats
 from .options import TrainOptions
-from .recipe import default_gamma, loss_weights, parse_taps, pick_mask_token
-from .vocab import TrainingVocab, initial_vocab
-
-# Steps of samples the feature workers may compute ahead while the run evaluates (minutes of
-# engine decoding on one core: the workers keep the other cores busy meanwhile)
-EVAL_AHEAD_STEPS = 32
+from .recipe import default_gamma, loss_weights
+from .start import new_drafter, resume_point, start_config
+from .vocab import TrainingVocab
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _status(message: str) -> None:
-    """A status line on stderr that does not tear a progress bar drawn there."""
-    with tqdm.external_write_mode(file=sys.stderr):
-        log(message)
 
 
 def _is_muon_weight(path: str, weight: mx.array) -> bool:
@@ -170,7 +148,7 @@ class Trainer:
         self.ckpt_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else self.out / "train"
         self.ranks = init_ranks()
         _check_one_process(o, self.ranks.distributed)
-        self.resume_from = self._resume_point()
+        self.resume_from = resume_point(o, self.ranks, self.out, self.ckpt_dir)
         saved = checkpoints.read_state(self.resume_from) if self.resume_from else None
 
         # Target
@@ -179,24 +157,28 @@ class Trainer:
         self.tcfg = target_config(Path(o.target)) if Path(o.target).is_dir() else {}
         samples = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
 
-        self.cfg_dict, vocab_ids, v1 = self._start_config(saved, samples)
+        self.cfg_dict, vocab_ids, v1 = start_config(o, self.parts, self.tokenizer, self.tcfg,
+                                                    saved, samples)
         self.cfg = DFlashConfig.from_dict(self.cfg_dict)
         self.taps = self.cfg.target_layer_ids
         self.gamma = o.gamma or default_gamma(self.cfg.block_size)
         self.row_w = loss_weights(self.cfg.block_size, self.gamma)[1:]
-        self.draft = self._new_drafter(saved, v1)
+        self.draft = new_drafter(o, self.cfg, self.parts, saved, v1)
 
         # Frozen target pieces
         self.vocab = TrainingVocab(head_matrix(self.parts), self.parts.vocab_size, vocab_ids)
         self.embed = self.parts.embed_tokens
         self.parts.model.freeze()
 
-        samples = self._setup_features(samples)
+        # Data order and the target features of its samples
+        self.feed = Feed(o, self.ranks, self.parts, self.taps, self.vocab, self.ckpt_dir, samples)
+        # the feed's parts, under the names the loop and the trainer's users know (set once)
+        self.data: DataOrder = self.feed.data
+        self.features: FeatureStore = self.feed.features
+        self.stream: FeatureStream | None = self.feed.stream
         self.optimizer, self._adamw = _make_optimizer(o, lambda: self.cpu_seconds)
 
-        # Data order / step
-        self.data = DataOrder(samples, o.data, o.seed, o.val_percent, o.val_n,
-                              self._reload if o.refresh_data else None)
+        # Step
         self.step = 0
         self.history: list[dict] = []
         self.ema = None
@@ -209,114 +191,6 @@ class Trainer:
         if o.eval_prompts and o.eval_every:
             self.eval_prompts = load_eval_prompts(o.eval_prompts, self.tokenizer, o.eval_n)
         self._vg = None
-
-    def _resume_point(self) -> Path | None:
-        """The checkpoint this run resumes from, if any: rank 0 checks the output folder and
-        chooses; every other rank resumes from rank 0's choice."""
-        o = self.opts
-        resume_from = None
-        if self.ranks.is_main:
-            resume_from = checkpoints.prepare_output(self.out, self.ckpt_dir, o.resume, o.force,
-                                                     bool(o.checkpoint_dir))
-        if self.ranks.distributed:
-            step = self.ranks.from_main(-1 if resume_from is None
-                                        else checkpoints.step_of(resume_from))
-            resume_from = None if step < 0 else checkpoints.checkpoint_path(self.ckpt_dir, step)
-        return resume_from
-
-    def _start_config(self, saved: dict | None, samples: list[Sample]
-                      ) -> tuple[dict, np.ndarray, DFlashDraftModel | None]:
-        """The drafter's config, its training vocabulary and the v1 drafter it starts from (with
-        ``--init-from``): a resumed run's from its checkpoint, a new one's from the options."""
-        o = self.opts
-        if saved:
-            return saved["draft_config"], np.asarray(saved["vocab_ids"], dtype=np.int64), None
-        v1 = None
-        seen = seen_ids(samples)
-        if o.init_from:
-            cfg_dict, v1 = self._v1_start(seen)
-        else:
-            cfg_dict = self._new_config(seen)
-        vocab_ids = initial_vocab(o.vocab, seen, self.parts.vocab_size)
-        if o.vocab == "data" and v1 is not None and v1.config.draft_vocab_ids is not None:
-            # keep what the v1 drafter may propose: its first proposals stay its own
-            vocab_ids = np.union1d(vocab_ids, v1.config.draft_vocab_ids).astype(np.int64)
-        if o.draft_window is not None:  # trained with the window it will run with
-            cfg_dict["dflash_config"]["draft_window"] = int(o.draft_window)
-        return cfg_dict, vocab_ids, v1
-
-    def _new_drafter(self, saved: dict | None, v1: DFlashDraftModel | None) -> DFlashDraftModel:
-        """The drafter in training mode: ``v1``'s (grown by identity layers), or a new run's
-        initialised from the target's layers (``--init``); a resumed run's weights are loaded
-        later, with the optimizer's state."""
-        o = self.opts
-        mx.random.seed(o.seed)
-        draft = new_draft(self.cfg, v1)
-        if v1 is not None and len(draft.layers) > len(v1.layers):
-            grow_identity_layers(draft, len(v1.layers))
-        if not saved and o.init != "none" and v1 is None:
-            ids = init_layer_ids(o.init, self.cfg.num_hidden_layers, self.parts.num_layers,
-                                 self.taps)
-            init_from_target(draft, self.parts, ids)
-            if o.init == "aligned":
-                align_context(draft, self.parts, self.taps, ids[0])
-        draft.train()
-        return draft
-
-    def _setup_features(self, samples: list[Sample]) -> list[Sample]:
-        """Set up the target features (their store, its cache filled first with
-        ``--feature-workers``, the ``--stream-features`` workers); the samples to train on."""
-        o = self.opts
-        cache_dir = None
-        if o.feature_cache not in ("none", "", None):
-            base = self.ckpt_dir / "features" if o.feature_cache == "auto" else Path(o.feature_cache)
-            cache_dir = base / FeatureStore.signature(self.taps, o.soft_topk)
-        self.features = FeatureStore(self.parts, self.taps, o.soft_topk, cache_dir)
-        self._precompute(samples)
-        self.stream = None
-        if o.stream_features:
-            if self.ranks.distributed:
-                raise TrainConfigError("--stream-features: one process only (not under "
-                                       "mlx.launch); use --feature-workers before the run")
-            self.stream = FeatureStream(o.target, self.taps, o.soft_topk, cache_dir,
-                                        o.stream_features)
-        return self._cached(samples) if o.only_cached else samples
-
-    def _new_config(self, seen: set[int]) -> dict:
-        """The config of a drafter trained from scratch (``--arch``, ``--layers``, ...)."""
-        o = self.opts
-        taps = parse_taps(o.taps, self.parts.num_layers)
-        mask_id = o.mask_token_id
-        if mask_id is None:
-            mask_id = pick_mask_token(self.tokenizer, self.parts.vocab_size, seen)
-        if not 0 <= mask_id < self.parts.vocab_size:
-            raise TrainConfigError(f"--mask-token-id {mask_id}: outside the target vocabulary")
-        cfg = draft_config_dict(self.parts, self.tcfg, o.layers, o.block_size, taps, mask_id)
-        if o.arch == "dflash2":
-            cfg = self._as_dflash2(cfg, o.sliding_window or DEFAULT_WINDOW)
-        return cfg
-
-    def _v1_start(self, seen: set[int]) -> tuple[dict, object]:
-        """``--init-from``: the v1 drafter's config (upgraded with ``--arch dflash2``; its
-        window kept unless ``--sliding-window``) and the drafter itself."""
-        o = self.opts
-        cfg, v1 = read_v1_drafter(o.init_from)
-        if cfg.get("vocab_size") != self.parts.vocab_size or \
-                max(v1.config.target_layer_ids) >= self.parts.num_layers:
-            raise TrainConfigError(f"--init-from {o.init_from}: drafter of another target "
-                                   f"(vocab {cfg.get('vocab_size')}, taps "
-                                   f"{v1.config.target_layer_ids})")
-        cfg["dflash_config"].pop("draft_vocab_ids", None)  # the run exports its own
-        if o.grow_layers:
-            cfg = grown_config(cfg, o.grow_layers)
-        if o.arch == "dflash2":
-            cfg = self._as_dflash2(cfg, o.sliding_window or v1.config.sliding_window)
-        return cfg, v1
-
-    def _as_dflash2(self, cfg: dict, window: int | None) -> dict:
-        o = self.opts
-        return dflash2_config_dict(cfg, o.conv_kernel_size, o.conv_group_size, o.selector_rank,
-                                   o.selector_top_k, window)
 
     # -- views of the parts ----------------------------------------------------------------
     @property
@@ -343,85 +217,12 @@ class Trainer:
     def head_w(self) -> mx.array:
         return self.vocab.head_w
 
-    # -- data ------------------------------------------------------------------------------
-    def _reload(self) -> list[Sample]:
-        """Pick up samples datagen wrote since the run started (at an epoch boundary)."""
-        o = self.opts
-        new = read_samples(o.data, o.max_len, o.skip_truncated, self.parts.vocab_size)
-        if len(new) > len(self.samples):
-            _status(f"train: data grew {len(self.samples)} -> {len(new)} samples")
-        self._precompute(new)
-        if o.only_cached:
-            new = self._cached(new)
-        if o.vocab == "data":
-            self.vocab.add_seen(seen_ids(new))
-        return new
-
-    def _precompute(self, samples: list[Sample]) -> None:
-        """With ``--feature-workers N``: fill the cache for all samples with N processes first."""
-        o = self.opts
-        if not o.feature_workers or self.features.cache_dir is None:
-            return
-        missing = sum(not self.features.has(s) for s in samples)
-        if missing and self.ranks.is_main:
-            _status(f"train: computing target features of {missing} samples with "
-                    f"{o.feature_workers} processes")
-            precompute_features(o.target, o.data, self.taps, o.soft_topk, self.features.cache_dir,
-                                o.max_len, o.skip_truncated, o.feature_workers, o.progress)
-        self.ranks.barrier()  # the others wait for rank 0's cache
-
-    def _cached(self, samples: list[Sample]) -> list[Sample]:
-        if self.features.cache_dir is None:
-            raise TrainConfigError("--only-cached needs a feature cache (--feature-cache)")
-        kept = [s for s in samples if self.features.has(s)]
-        if not kept:
-            raise TrainingDataError(f"data set {self.opts.data}: no sample has cached features in "
-                                    f"{self.features.cache_dir} yet (run --features-only first)")
-        return kept
-
-    def _next_samples(self) -> list[Sample]:
-        """This rank's sequences of the step: every rank advances the same data order by
-        ``batch_seqs * ranks`` and takes its own shard."""
-        return self.ranks.shard(self.data.next_samples(self.opts.batch_seqs * self.ranks.size))
-
-    def _prepare(self, samples: list[Sample]) -> None:
-        """Compute this step's features that no worker has claimed; while a worker finishes the
-        others (a long-context record takes minutes), compute those of the next steps instead of
-        waiting."""
-        self.features.prepare(samples)
-        if self.stream is None:
-            return
-        ahead = None
-        while not all(self.features.has(s) for s in samples):
-            ahead = ahead or self._upcoming(EVAL_AHEAD_STEPS)
-            if not self.features.prepare_one(ahead):
-                return  # nothing left to take: make_batch waits for the workers' files
-
-    def _upcoming(self, steps: int) -> list[Sample]:
-        """The samples of the next ``steps`` steps (of this epoch), all ranks'."""
-        return self.data.peek(steps * self.opts.batch_seqs * self.ranks.size)
-
-    def _feed_stream(self, steps: int) -> None:
-        """Ask the feature workers for the samples of the next ``steps`` steps."""
-        if self.stream is not None:
-            self.stream.ahead(self._upcoming(steps))
-
-    def _feature_counts(self) -> dict:
-        """Target features computed by this invocation: samples (this process and the stream's
-        workers) and the seconds this process spent on them (what the cache saves)."""
-        n = self.features.samples_computed
-        counts = {"feat_s": round(self.features.compute_time, 1)}
-        if self.stream is not None:
-            n += self.stream.samples_computed()
-            counts["stream_cpu_s"] = round(self.stream.cpu_seconds(), 1)
-        return {"feat_n": n, **counts}
-
+    # -- one step --------------------------------------------------------------------------
     def _step_rng(self) -> np.random.Generator:
         """The step's anchors and negatives (each rank draws its own)."""
         key = [self.opts.seed, self.step, 3] + ([self.ranks.rank] if self.ranks.distributed else [])
         return np.random.default_rng(key)
 
-    # -- one step --------------------------------------------------------------------------
     def make_batch(self, samples: list[Sample], rng: np.random.Generator,
                    n_anchors: int | None = None) -> Batch:
         o = self.opts
@@ -546,8 +347,7 @@ class Trainer:
         finally:
             if main_thread:
                 signal.signal(signal.SIGTERM, before)
-            if self.stream is not None:
-                self.stream.close()
+            self.feed.close()
 
     def _run(self) -> Path:
         o = self.opts
@@ -563,17 +363,17 @@ class Trainer:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         if o.init_from and o.eval_every and main and self.step == 0 and not self.history:
             # a continued drafter starts far from τ 1: its curve starts where it starts
-            self._feed_stream(EVAL_AHEAD_STEPS)
+            self.feed.stream_ahead(EVAL_AHEAD_STEPS)
             self._record({"step": 0, "cpu_s": round(self.cpu_seconds, 1), **self._evaluate(val)})
         while self.step < end_step:
             rng = self._step_rng()
             before = self._snapshot()
             try:
-                samples = self._next_samples()
+                samples = self.feed.next_samples()
                 # the workers take the next steps' samples while this process computes what
                 # they have not claimed of this step's (and waits for the rest)
-                self._feed_stream(2 * max(1, o.stream_features))
-                self._prepare(samples)
+                self.feed.stream_ahead(2 * max(1, o.stream_features))
+                self.feed.prepare(samples)
                 batch = self.make_batch(samples, rng)
                 st = self.train_step(batch)
             except KeyboardInterrupt:
@@ -600,7 +400,7 @@ class Trainer:
                 record = self._step_record(st, lr, t_start, rows_s)
             if o.eval_every and main and (self.step % o.eval_every == 0 or last):
                 record = record or {"step": self.step}
-                self._feed_stream(EVAL_AHEAD_STEPS)  # an evaluation takes minutes
+                self.feed.stream_ahead(EVAL_AHEAD_STEPS)  # an evaluation takes minutes
                 record.update(self._evaluate(val))
             if record and main:
                 self._record(record)
@@ -608,7 +408,7 @@ class Trainer:
                 self.save_checkpoint()
             if out_of_time:
                 if main:
-                    _status(f"train: time budget reached at step {self.step} "
+                    status(f"train: time budget reached at step {self.step} "
                             f"({self.cpu_seconds:.0f} CPU-s); resume with --resume")
                 break
         bar.close()
@@ -642,7 +442,7 @@ class Trainer:
                 "cpu_s": round(self.cpu_seconds, 1),
                 **{k: round(v, 4) for k, v in self.ema.items()},
                 "step_loss": round(st["loss"], 5), "vocab": len(self.vocab.ids),
-                **self._feature_counts()}
+                **self.feed.feature_counts()}
 
     def _evaluate(self, val: list[Sample]) -> dict:
         """Validation metrics (and τ with ``--eval-prompts``), reported on stderr; their CPU
@@ -652,7 +452,7 @@ class Trainer:
             if self.eval_prompts:
                 res.update(self.evaluate_tau())
         res["eval_cpu_s"] = round(self.eval_cpu_seconds, 1)
-        _status(f"[step {self.step}] " + " ".join(
+        status(f"[step {self.step}] " + " ".join(
             f"{k}={v}" for k, v in res.items() if k.startswith(("val_", "tau_"))))
         return res
 
