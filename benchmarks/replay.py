@@ -119,11 +119,13 @@ def ask_responses(base: str, body: dict, max_tokens: int) -> dict:
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=600, max_retries=0)
-    fields = {k: v for k, v in body.items() if k not in ("stream", "model")}
+    # Fields as the client sent them (some newer than this SDK: sent as they are)
+    fields = {k: v for k, v in body.items() if k not in ("stream", "model", "input")}
     fields.update(temperature=0, max_output_tokens=max_tokens)
     tic = time.perf_counter()
     first, text, usage = None, [], None
-    for event in client.responses.create(model="default", stream=True, **fields):
+    for event in client.responses.create(model="default", stream=True, input=body["input"],
+                                         extra_body=fields):
         if event.type == "response.output_text.delta" and event.delta:
             first = time.perf_counter() - tic if first is None else first
             text.append(event.delta)
@@ -141,12 +143,13 @@ def ask_messages(base: str, body: dict, max_tokens: int) -> dict:
     from anthropic import Anthropic
 
     client = Anthropic(base_url=base, api_key="unused", timeout=600, max_retries=0)
-    fields = {k: v for k, v in body.items() if k not in ("stream", "model", "max_tokens")}
+    fields = {k: v for k, v in body.items()
+              if k not in ("stream", "model", "max_tokens", "messages")}
     fields["temperature"] = 0
     tic = time.perf_counter()
     first, text = None, []
     with client.messages.stream(model="default", max_tokens=min(max_tokens, body["max_tokens"]),
-                                **fields) as stream:
+                                messages=body["messages"], extra_body=fields) as stream:
         for piece in stream.text_stream:
             if piece and first is None:
                 first = time.perf_counter() - tic
