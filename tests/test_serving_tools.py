@@ -453,9 +453,76 @@ def test_strict_tools_grammar_admits_text_and_valid_calls_only(tool_tokenizer):
         "name": "get_weather"}})) == HERMES_START + "\n"  # the grammar forces the name
     assert call_grammar(parse_tools([WEATHER], "auto"), HERMES) is None
     assert call_grammar(parse_tools([strict], "none"), HERMES) is None
-    xml = ToolFormat("<function=", "</function>", None, native=True, json_form=False)
+    other = ToolFormat("<function=", "</function>", None, native=True, json_form=False)
     with pytest.raises(APIError) as e:
-        call_grammar(auto, xml)
+        call_grammar(auto, other)
     assert e.value.param == "tools[0].function.strict" and "get_weather" in e.value.message
     assert rejected([{**strict, "function": {**strict["function"], "strict": "yes"}}]).param == \
         "tools[0].function.strict"
+
+
+def test_strict_tools_in_the_xml_form_of_qwen3_5(tool_tokenizer):
+    """Qwen3-Coder's and Qwen3.5's call form (``<function=NAME>`` and ``<parameter=P>`` blocks,
+    mlx-lm's qwen3_coder parser): with ``strict``, only calls of offered tools match, with the
+    required parameters, values the parser reads back as the schema's types, and every call
+    the grammar admits parses into arguments that validate; a parameter whose text the parser
+    would read back differently is a 400 naming it."""
+    import jsonschema
+    import llguidance
+
+    qwen3_coder = pytest.importorskip("mlx_lm.tool_parsers.qwen3_coder")
+    xml = ToolFormat(qwen3_coder.tool_call_start, qwen3_coder.tool_call_end,
+                     qwen3_coder.parse_tool_call, native=True, json_form=False, xml_form=True)
+    schema = {"type": "object", "properties": {
+        "path": {"type": "string", "description": "a file"},
+        "mode": {"type": "string", "enum": ["read", "write"]},
+        "lines": {"type": "integer", "minimum": 1},
+        "options": {"type": "object", "properties": {"force": {"type": "boolean"}},
+                    "required": ["force"], "additionalProperties": False}},
+        "required": ["path", "lines"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "open_file", "parameters": schema,
+                                             "strict": True}}
+
+    def block(name, value):
+        return f"<parameter={name}>\n{value}\n</parameter>\n"
+
+    def call(*blocks, name="open_file"):
+        return f"<function={name}>\n" + "".join(blocks) + "</function>"
+
+    def matches(spec, text: str) -> bool:
+        bound = call_grammar(spec, xml).bind(tool_tokenizer, len(tool_tokenizer.vocab))
+        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
+        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
+            and m.is_accepting()
+
+    auto = parse_tools([tool, WEATHER], "auto")
+    good = [call(block("path", "a b.py"), block("lines", 3)),
+            call(block("path", "multi\nline </parameter text"), block("mode", "write"),
+                 block("lines", 12), block("options", '{"force": true}')),
+            call(block("city", "Rome"), name="get_weather")]  # not strict: any parameters
+    for c in good:
+        text = f"Let me.\n<tool_call>\n{c}\n</tool_call>"
+        assert matches(auto, text), text
+        parsed = qwen3_coder.parse_tool_call(f"\n{c}\n", auto.rendered)
+        if parsed["name"] == "open_file":
+            jsonschema.validate(parsed["arguments"], schema)
+            assert parsed["arguments"]["path"] in ("a b.py", "multi\nline </parameter text")
+    assert matches(auto, "No call needed.")
+    bad = [call(block("lines", 3)),  # a required parameter missing
+           call(block("path", "x"), block("lines", "three")),
+           call(block("path", "x"), block("lines", 0)),  # below the minimum
+           call(block("path", "x"), block("mode", "append"), block("lines", 1)),
+           call(block("path", "x"), block("lines", 1), block("options", '{"force": 1}')),
+           call(block("path", "x"), block("lines", 1), block("extra", "y")),
+           call(block("x", "y"), name="delete_all")]
+    for c in bad:
+        assert not matches(auto, f"<tool_call>\n{c}\n</tool_call>"), c
+    required = parse_tools([tool], "required")  # the prompt ends with the opening tag
+    assert xml.prefix(required) == "<tool_call>\n"
+    assert matches(required, f"{good[0]}\n</tool_call>")
+    assert not matches(required, "Sure.")
+    loose = {**tool, "function": {**tool["function"], "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "pattern": "^/"}}}}}
+    with pytest.raises(APIError) as e:
+        call_grammar(parse_tools([loose], "auto"), xml)
+    assert e.value.param == "tools[0].function.parameters.properties.path"

@@ -37,6 +37,7 @@ from .reasoning import ThinkSplitter
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 JSON_PARSERS = ("json_tools",)  # mlx-lm parsers of the Hermes JSON form (a named prefix fits)
+XML_PARSERS = ("qwen3_coder",)  # mlx-lm parsers of the <function=...><parameter=...> form
 CHOICES = ("auto", "none", "required")
 
 SYSTEM_PROMPT = """# Tools
@@ -205,6 +206,7 @@ class ToolFormat:
     parse: Callable  # (text between the tags, tools) -> {"name", "arguments"} or a list of them
     native: bool  # the chat template renders tools itself
     json_form: bool  # the Hermes JSON form (a named call can be started in the prompt)
+    xml_form: bool = False  # Qwen3-Coder's and Qwen3.5's <function=...><parameter=...> form
 
     def prefix(self, spec: ToolSpec | None) -> str:
         """Text the answer starts with (put at the end of the prompt) for ``tool_choice``."""
@@ -223,9 +225,11 @@ def _hermes_parse(text: str, tools=None):
 def tool_format(tokenizer) -> ToolFormat:
     """The tokenizer's own tool format (mlx-lm's parser), or the Hermes form as a system prompt."""
     if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
-        kind = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type")
+        kind = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type") or \
+            getattr(tokenizer.tool_parser, "__module__", "").rsplit(".", 1)[-1]
         return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end,
-                          tokenizer.tool_parser, native=True, json_form=kind in JSON_PARSERS)
+                          tokenizer.tool_parser, native=True, json_form=kind in JSON_PARSERS,
+                          xml_form=kind in XML_PARSERS)
     return ToolFormat(HERMES_START, HERMES_END, _hermes_parse, native=False, json_form=True)
 
 
@@ -233,17 +237,40 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
     """The grammar a constrained answer matches (``None``: ``spec`` has no strict tool it may
     call): with "auto", any text with calls of the offered tools in it; with "required" or a
     name, the answer (which starts after the call's opening tag the prompt ends with) is a call
-    first. A strict tool's arguments match its ``parameters``; another tool's are any object."""
+    first. A strict tool's arguments match its ``parameters``; another tool's are any object.
+    Calls in the Hermes JSON form and in the XML form of Qwen3-Coder and Qwen3.5
+    (:func:`_xml_body`) are constrained; other forms are refused, naming the tool."""
     if not spec.constrained:
         return None
-    if not fmt.json_form:
+    if not (fmt.json_form or fmt.xml_form):
         name = spec.strict[0]
-        i = next(k for k, t in enumerate(spec.tools) if t["function"]["name"] == name)
+        i = _tool_index(spec, name)
         raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: strict arguments need "
-                       f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}); this "
-                       f"model's template writes calls as {fmt.start}...{fmt.end}; send the "
-                       "tool without strict", param=f"tools[{i}].function.strict",
-                       code="unsupported_parameter")
+                       f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}) or the "
+                       f"<function=...><parameter=...> form; this model's template writes calls "
+                       f"as {fmt.start}...{fmt.end}; send the tool without strict",
+                       param=f"tools[{i}].function.strict", code="unsupported_parameter")
+    body = _xml_body(spec) if fmt.xml_form else _json_body(spec)
+    start, end = json.dumps(fmt.start), json.dumps(fmt.end)
+    first = "" if spec.choice == "auto" else f'body "\\n" {end} '
+    text = (f"start: {first}call* tail\n"
+            "tail: TEXT\n"
+            "TEXT: /(.|\\n)*/\n"
+            f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
+            f'call: call_head "\\n" body "\\n" {end}\n' + body)
+    try:
+        return Grammar.lark(text, field="tools")
+    except GrammarError as e:
+        raise APIError(400, f"tools: a strict tool's parameters cannot constrain decoding: {e}",
+                       param="tools", code="invalid_value") from None
+
+
+def _tool_index(spec: ToolSpec, name: str) -> int:
+    return next(k for k, t in enumerate(spec.tools) if t["function"]["name"] == name)
+
+
+def _json_body(spec: ToolSpec) -> str:
+    """``body``: one call in the Hermes JSON form, ``{"name": ..., "arguments": {...}}``."""
     calls = [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
         "arguments": t["function"]["parameters"] if t["function"]["name"] in spec.strict
@@ -251,19 +278,65 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
         for t in spec.rendered]
     # One line, Python's separators: the grammar forces every separator and key (free proposals).
     body = {"anyOf": calls, "x-guidance": WHITESPACE["compact"]}
-    start, end = json.dumps(fmt.start), json.dumps(fmt.end)
-    first = "" if spec.choice == "auto" else f'body "\\n" {end} '
-    text = (f"start: {first}call* tail\n"
-            "tail: TEXT\n"
-            "TEXT: /(.|\\n)*/\n"
-            f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
-            f'call: call_head "\\n" body "\\n" {end}\n'
-            f"body: %json {json.dumps(body)}\n")
-    try:
-        return Grammar.lark(text, field="tools")
-    except GrammarError as e:
-        raise APIError(400, f"tools: a strict tool's parameters cannot constrain decoding: {e}",
-                       param="tools", code="invalid_value") from None
+    return f"body: %json {json.dumps(body)}\n"
+
+
+# How mlx-lm's qwen3_coder parser reads a parameter's text: as it is for these types, as JSON
+# (or a Python literal) for the others.
+XML_TEXT_TYPES = ("string",)
+XML_JSON_TYPES = ("integer", "number", "boolean", "object", "array")
+
+
+def _xml_body(spec: ToolSpec) -> str:
+    """``body``: one call in the XML form, ``<function=NAME>`` then one ``<parameter=P>`` block
+    per argument (its text on lines of its own) and ``</function>``. A strict tool's parameters
+    come in its schema's order, the required ones always, each value as the parser reads it back
+    into the schema's type (text for strings; compact JSON on its schema for the rest); another
+    tool's are any parameters with any text."""
+    rules, bodies = [], []
+    for k, t in enumerate(spec.rendered):
+        fn = t["function"]
+        head = json.dumps(f"<function={fn['name']}>\n")
+        if fn["name"] not in spec.strict:
+            bodies.append(f"fn{k}")
+            rules.append(f'fn{k}: {head} any_param* "</function>"')
+            continue
+        params, defs = fn["parameters"], fn["parameters"].get("$defs")
+        required = set(params.get("required", []))
+        parts = []
+        for j, (name, schema) in enumerate(params.get("properties", {}).items()):
+            rule = f"p{k}_{j}"
+            value = _xml_value(schema, defs, spec, fn["name"], name)
+            # Free text cannot be a lexeme of its own (it never ends): the whole block is one,
+            # lazy, ending at the first closing tag.
+            lazy = "[lazy]" if value == "TEXT" else ""
+            rules.append(f'{rule}{lazy}: {json.dumps(f"<parameter={name}>")} "\\n" {value} '
+                         '"\\n</parameter>\\n"')
+            parts.append(rule if name in required else f"{rule}?")
+        bodies.append(f"fn{k}")
+        rules.append(f'fn{k}: {head} {" ".join(parts)} "</function>"')
+    rules.append("any_param[lazy]: /<parameter=[^\\s<>]+>\\n(.|\\n)*\\n<\\/parameter>\\n/")
+    return f"body: {' | '.join(bodies)}\n" + "\n".join(rules) + "\n"
+
+
+def _xml_value(schema: dict, defs: dict | None, spec: ToolSpec, tool: str, name: str) -> str:
+    """The grammar of one parameter's text (see :func:`_xml_body`); a 400 naming the parameter
+    where the parser could not read a constrained text back as the schema says."""
+    kind = schema.get("type")
+    if kind in XML_TEXT_TYPES and set(schema) <= {"type", "description", "title"}:
+        return "TEXT"  # any text (the parser strips the newline after and before it)
+    if kind in XML_TEXT_TYPES and "enum" in schema and \
+            set(schema) <= {"type", "description", "title", "enum"}:
+        return "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + ")"
+    if kind in XML_JSON_TYPES:
+        sub = dict(schema, **({"$defs": defs} if defs else {}))
+        return f"%json {json.dumps(dict(sub, **{'x-guidance': WHITESPACE['compact']}))}"
+    i = _tool_index(spec, tool)
+    param = f"tools[{i}].function.parameters.properties.{name}"
+    raise APIError(400, f"{param}: a strict tool's parameter in the <parameter=...> form must "
+                   f"have one type of {', '.join(XML_TEXT_TYPES + XML_JSON_TYPES)} (a string "
+                   "with at most an enum): the parser reads other text back differently",
+                   param=param, code="invalid_value")
 
 
 def system_prompt(tools: list[dict]) -> str:
