@@ -215,3 +215,41 @@ def test_strict_tool_arguments_match_the_tools_schema(client, choice):
     calls = [item for item in r.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER_ARGS)
+
+
+XML_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call a tool as:\n<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n"
+    "</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+XML_ARGS = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Rome", "Paris", "Oslo"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_strict_tools_in_the_xml_form_over_the_server(tiny_pair, tmp_path):
+    """A target whose template writes Qwen3.5's XML call form (mlx-lm reads it as
+    ``qwen3_coder``): a random-weight target with ``strict`` and ``tool_choice`` "required"
+    makes a call mlx-lm's parser reads into arguments that validate, greedy and sampled."""
+    import shutil
+
+    target, draft = tiny_pair(KIND)
+    xml_target = tmp_path / "xml-target"
+    shutil.copytree(target, xml_target)
+    config_file = xml_target / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = XML_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True,
+                                             "parameters": XML_ARGS}}
+    with launch_server(xml_target, draft, tmp_path / "server.log") as s:
+        client = openai.OpenAI(base_url=f"{s['base']}/v1", api_key="none", max_retries=0)
+        for temperature in (0.0, 1.0):
+            r = client.chat.completions.create(
+                model=MODEL_NAME, messages=chat("Weather in Rome?"), max_tokens=48,
+                temperature=temperature, tools=[tool], tool_choice="required")
+            calls = r.choices[0].message.tool_calls
+            assert calls and calls[0].function.name == "get_weather", r.choices[0]
+            jsonschema.validate(json.loads(calls[0].function.arguments), XML_ARGS)
