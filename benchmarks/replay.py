@@ -5,7 +5,8 @@ conversation resent every turn, not decode speed alone. This starts both servers
 weights (dflash with the built-in drafter, mlx-lm with its defaults), sends each recorded
 request to each with the official ``openai`` client (streamed, greedy), and prints per request
 the time to first token, end to end, cached prompt tokens and the ratio, and checks that the
-answers are identical. Then, optionally, the last turn again (a retry), the last turn after a
+answers are identical; each server first answers one short request, so start-up work is not
+turn 1's. Then, optionally, the last turn again (a retry), the last turn after a
 restart of dflash with ``--prompt-cache-dir``, and cold prompts of chosen lengths.
 
 Sessions are ``requests.jsonl`` files written by ``dflash serve --record DIR``; ``--make NAME``
@@ -258,19 +259,23 @@ def cold_prompts(lengths: list[int]) -> list[dict]:
     return out
 
 
+# Sent to each server once before what is measured: start-up work (first-call compilation,
+# buffer allocation) is neither server's first turn.
+WARM_UP = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1}
+
+
 def cold_rows(target: Path, tmp: Path, lengths: list[int]) -> list[dict]:
     """Each server started fresh, warmed by one short request (start-up work is not the
     prefill's), then sent each cold prompt; a line per prompt as soon as both have answered."""
     prompts = cold_prompts(lengths)
-    warm = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1}
     ours, rows = [], []
     with server("dflash", target, tmp / "dflash-cold.log") as base:
-        ask(base, warm)
+        ask(base, WARM_UP)
         for r in prompts:
             ours.append(ask(base, r["body"]))
             print(f"dflash cold {r['length']}: first token {ours[-1]['ttft']:.2f} s", flush=True)
     with server("mlx", target, tmp / "mlx-cold.log") as base:
-        ask(base, warm, str(target))
+        ask(base, WARM_UP, str(target))
         for r, d in zip(prompts, ours):
             rows.append(row(f"cold {r['length']}", d, ask(base, r["body"], str(target))))
             print(f"mlx_lm cold {r['length']}: first token {rows[-1]['mlx_ttft']:.2f} s",
@@ -395,8 +400,10 @@ def main() -> None:
                 requests, names = requests + requests[-1:], names + ["retry of the last"]
             with server("dflash", target, tmp / "dflash.log",
                         "--prompt-cache-dir", str(cache_dir)) as base:
+                ask(base, WARM_UP)
                 ours = replay(base, requests, max_tokens=args.max_tokens)
             with server("mlx", target, tmp / "mlx.log") as base:
+                ask(base, WARM_UP, str(target))
                 theirs = replay(base, requests, str(target), max_tokens=args.max_tokens,
                                 prompts=prompts)
             rows = [row(n, d, m) for n, d, m in zip(names, ours, theirs)]
