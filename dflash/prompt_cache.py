@@ -132,11 +132,14 @@ class PromptCache:
 
     ``directory``: conversations also kept on disk there (at most ``directory_bytes``), written
     when a reply is stored and loaded when a prompt first needs one, so they survive a restart
-    (:mod:`dflash.cache_files`). :meth:`save` / :meth:`load` do the same at chosen moments."""
+    (:mod:`dflash.cache_files`). :meth:`save` / :meth:`load` do the same at chosen moments.
+    ``defer_writes``: a stored reply is only queued for the folder, and written when the owner
+    calls :meth:`write_deferred` (the server: when it has been idle a moment), :meth:`flush`,
+    or when the entry leaves memory; so a write never competes with the next turn's prefill."""
 
     def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_bytes: int | None = None,
                  directory: str | Path | None = None,
-                 directory_bytes: int = DEFAULT_DISK_BYTES):
+                 directory_bytes: int = DEFAULT_DISK_BYTES, defer_writes: bool = False):
         for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes),
                             ("directory_bytes", directory_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -144,7 +147,8 @@ class PromptCache:
                 raise GenerationConfigError(f"{name}={value!r}: must be an integer >= 1")
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._lru = LRUPromptCache(max_entries, (1 << 63) if max_bytes is None else max_bytes)
-        self.folder = None if directory is None else CacheFolder(directory, directory_bytes)
+        self.folder = None if directory is None else CacheFolder(directory, directory_bytes,
+                                                                 defer=defer_writes)
         self._pairs: dict[tuple[int, int], tuple] = {}  # owner -> (parts, draft, fingerprint)
 
     @classmethod
@@ -166,9 +170,16 @@ class PromptCache:
         folder.flush()
 
     def flush(self) -> None:
-        """Wait for the entries being written to this cache's folder."""
+        """Write the deferred entries and wait for the entries being written to this cache's
+        folder."""
         if self.folder is not None:
             self.folder.flush()
+
+    def write_deferred(self) -> None:
+        """Start writing the replies queued by ``defer_writes`` (in the background; call it
+        from the thread that generates, when it is idle)."""
+        if self.folder is not None:
+            self.folder.write_queued()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -235,8 +246,13 @@ class PromptCache:
         owner = _owner(parts, draft)
         self._pairs.setdefault(owner, (parts, draft, None))
         self._lru.insert_cache(owner, list(tokens), [entry])
-        if persist and self.folder is not None:
+        if self.folder is None:
+            return
+        if persist:
             self.folder.save(self._fingerprint(parts, draft), entry)
+        if self.folder.queued:  # a queued entry memory no longer holds: written now
+            held = {id(e) for _, e in self._held()}
+            self.folder.write_queued(keep=lambda e: id(e) in held)
 
     def _fingerprint(self, parts: TargetParts, draft) -> str:
         owner = _owner(parts, draft)

@@ -4,6 +4,7 @@ one."""
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -130,6 +131,35 @@ def test_the_folder_stays_within_its_byte_budget(loaded_pair, tmp_path):
         .stats.reused_prompt_tokens == 0
 
 
+def test_deferred_writes_wait_for_the_owner_and_keep_the_newest_turn(loaded_pair, tmp_path):
+    """``defer_writes`` (the server's): a stored reply is written only when the owner says so,
+    a later turn of the same conversation replaces the queued one, and an entry memory lets go
+    of is written at once (never lost, never held past the memory bound)."""
+    model, tokenizer, draft = loaded_pair("llama")
+    prompt, follow = turns(tokenizer)
+    pc = PromptCache(directory=tmp_path / "a", defer_writes=True)
+    first = run(model, draft, tokenizer, prompt, pc)
+    second = prompt + first.tokens + follow
+    out = run(model, draft, tokenizer, second, pc)
+    assert files(tmp_path / "a") == [] and pc.folder.queued == 1
+    pc.write_deferred()
+    pc.flush()
+    assert len(files(tmp_path / "a")) == 1 and pc.folder.queued == 0
+    again = PromptCache(directory=tmp_path / "a")
+    longer = second + out.tokens + follow
+    assert run(model, draft, tokenizer, longer, again).stats.reused_prompt_tokens \
+        == len(second) + len(out.tokens) - 1
+
+    small = PromptCache(max_entries=1, directory=tmp_path / "b", defer_writes=True)
+    run(model, draft, tokenizer, prompt, small, n=4)
+    assert files(tmp_path / "b") == []
+    run(model, draft, tokenizer, [9] + follow, small, n=4)  # evicts the first from memory
+    small.folder._writer.submit(lambda: None).result()  # the write started has ended
+    assert len(files(tmp_path / "b")) == 1 and small.folder.queued == 1
+    small.flush()  # what a server's shutdown does
+    assert len(files(tmp_path / "b")) == 2 and small.folder.queued == 0
+
+
 def test_a_folder_that_cannot_be_written_is_named(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -177,6 +207,13 @@ def test_a_restarted_server_serves_the_next_turn_from_disk(tiny_pair, tmp_path, 
                        "--api-key", KEY_B, "--prompt-cache-dir", str(folder), *common,
                        "--record", str(tmp_path / "rec")) as s:
         again = _chat(httpx, s["base"], KEY_A, first)
+        # written once the server has been idle a moment, not only when it stops
+        for _ in range(300):
+            if list(folder.rglob(f"*{SUFFIX}")):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the reply was not written while the server was idle")
     assert again["choices"][0]["message"] == reply["choices"][0]["message"]
     from dflash.serving.record import read_session
     from dflash.serving.scopes import scope_name

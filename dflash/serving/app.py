@@ -602,7 +602,7 @@ def create_server(model: str | None = None, draft: str | None = None, *,
     keys = APIKeys(api_keys)  # bad values: before loading
     recorder = None if record is None else Recorder(record)
     scopes = Scopes(share, index_budget, prompt_cache_size, prompt_cache_bytes,
-                    prompt_cache_dir, prompt_cache_dir_bytes)
+                    prompt_cache_dir, prompt_cache_dir_bytes, defer_writes=True)
     if draft_window is not None:  # the drafter's context window; its block-size bound: once loaded
         from ..drafter import check_window
 

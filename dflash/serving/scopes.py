@@ -115,7 +115,7 @@ class Scopes:
     def __init__(self, share: str = "key", index_budget: int = DEFAULT_BUDGET,
                  prompt_cache_size: int = DEFAULT_ENTRIES, prompt_cache_bytes: int | None = None,
                  prompt_cache_dir: str | Path | None = None,
-                 prompt_cache_dir_bytes: int = DEFAULT_DISK_BYTES):
+                 prompt_cache_dir_bytes: int = DEFAULT_DISK_BYTES, defer_writes: bool = False):
         if share not in SHARE_MODES:
             raise ServerConfigError(f"--share {share!r}: one of {', '.join(SHARE_MODES)}")
         if isinstance(index_budget, bool) or not isinstance(index_budget, int) \
@@ -134,6 +134,8 @@ class Scopes:
         # each scope's conversations on disk, in a folder of its own (``None``: memory only)
         self.prompt_cache_dir = None if prompt_cache_dir is None else Path(prompt_cache_dir)
         self.prompt_cache_dir_bytes = prompt_cache_dir_bytes
+        # replies written to the folder only when the worker is idle (:meth:`write_deferred`)
+        self.defer_writes = defer_writes
         if self.prompt_cache_dir is not None and share != "none":
             check_writable(self.prompt_cache_dir)  # at start, not at the first reply
         self._scopes: dict[str, Scope] = {}
@@ -152,7 +154,7 @@ class Scopes:
                 scope = self._scopes[name] = Scope(
                     name, ContinuationIndex(self.index_budget),
                     PromptCache(self.prompt_cache_size, self.prompt_cache_bytes, folder,
-                                self.prompt_cache_dir_bytes))
+                                self.prompt_cache_dir_bytes, defer_writes=self.defer_writes))
             return scope
 
     def scopes(self) -> list[Scope]:
@@ -170,6 +172,12 @@ class Scopes:
         for scope in self.scopes():
             if scope.prompt_cache is not None:
                 scope.prompt_cache.flush()
+
+    def write_deferred(self) -> None:
+        """Start writing every scope's queued replies to disk (the worker, when idle)."""
+        for scope in self.scopes():
+            if scope.prompt_cache is not None:
+                scope.prompt_cache.write_deferred()
 
     def clear_prompt_caches(self) -> None:
         """Forget every scope's prefix cache (after a failed batch: its caches may be

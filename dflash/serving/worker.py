@@ -51,6 +51,10 @@ KV_MEMORY_SHARE = 0.5  # of the memory the weights leave free
 # Seconds a sharded generation may go without finishing a cycle (or a prefill chunk) before the
 # other ranks count as gone (a rank that hangs instead of exiting).
 RANK_TIMEOUT = 20.0
+# Seconds without a job before the replies kept for --prompt-cache-dir are written: an agent's
+# next request follows its last reply within milliseconds (or after its tools ran), and a
+# 4.8k-token entry's write (~220 MB, ~1 s of CPU) would share the 2 cores with its prefill.
+IDLE_WRITE_S = 1.0
 
 
 def _memory_bytes() -> int:
@@ -342,7 +346,7 @@ class Worker:
                     continue
                 if solo is None:
                     continue
-            job = solo if solo is not None else self.jobs.get()
+            job = solo if solo is not None else self._wait_for_job()
             solo = None
             if job is None:
                 if self.ranks is not None and self.lost is None:
@@ -358,6 +362,15 @@ class Worker:
                 self._run_sharded(job)
             else:
                 self._run_alone(job)
+
+    def _wait_for_job(self) -> Job | None:
+        """The next job, waited for; once nothing has come for :data:`IDLE_WRITE_S`, the
+        replies queued for the cache folder are written first (in this thread: MLX's)."""
+        try:
+            return self.jobs.get(timeout=IDLE_WRITE_S)
+        except queue.Empty:
+            self.scopes.write_deferred()
+            return self.jobs.get()
 
     def _drop_running(self) -> None:
         for job in self.running.values():
@@ -389,7 +402,7 @@ class Worker:
         jobs wait behind it), ``False`` at shutdown, else ``None``."""
         while len(self.running) < self.max_concurrency:
             try:
-                job = self.jobs.get(block=not self.running)
+                job = self.jobs.get(block=False) if self.running else self._wait_for_job()
             except queue.Empty:
                 return None
             if job is None:
