@@ -367,13 +367,15 @@ class CacheFolder:
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [written]
 
-    def flush(self) -> None:
-        """Write what is queued and wait for the writes started so far."""
+    def flush(self) -> int:
+        """Write what is queued and wait for the writes started so far; how many were queued."""
+        queued = self.queued
         self.write_queued()
         with self._lock:
             pending = list(self._pending)
         for f in pending:
             f.result()
+        return queued
 
     def _write(self, fingerprint: str, header: Header, arrays: dict, metadata: dict) -> None:
         path = header.path

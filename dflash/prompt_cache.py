@@ -169,11 +169,10 @@ class PromptCache:
                 folder.save(self._fingerprint(*self._pairs[owner][:2]), entry)
         folder.flush()
 
-    def flush(self) -> None:
+    def flush(self) -> int:
         """Write the deferred entries and wait for the entries being written to this cache's
-        folder."""
-        if self.folder is not None:
-            self.folder.flush()
+        folder; how many were deferred."""
+        return 0 if self.folder is None else self.folder.flush()
 
     def write_deferred(self) -> None:
         """Start writing the replies queued by ``defer_writes`` (in the background; call it

@@ -4,6 +4,7 @@ one."""
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -226,6 +227,10 @@ def test_a_restarted_server_serves_the_next_turn_from_disk(tiny_pair, tmp_path, 
                        "--api-key", KEY_A, "--prompt-cache-dir", str(folder), *common) as s:
         other = _chat(httpx, s["base"], KEY_B, second(reply))
         restarted = _chat(httpx, s["base"], KEY_A, second(reply))
+    # stopped by SIGTERM, it wrote what it held back before exiting (uvicorn's re-raised
+    # signal used to end the process first)
+    assert re.search(r"prompt cache: \d+ conversations? written to .* at shutdown",
+                     (tmp_path / "two.log").read_text())
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > reply["usage"]["prompt_tokens"]  # the reply too, not only turn 1's prompt
     assert restarted["usage"]["prompt_tokens_details"]["cached_tokens"] == cached

@@ -746,6 +746,15 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
             # shutdown does not have to wait for long generations.
             worker.cancel_all()
             super().handle_exit(sig, frame)
+            # uvicorn raises the signal again once it has shut down, which ends the process
+            # before the worker is stopped (and the prompt cache folder written): re-raised
+            # below, after that.
+            exit_signals.append(sig)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    exit_signals: list[int] = []
 
     userver = UvicornServer(config)
 
@@ -763,6 +772,10 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080,
         # uvicorn exits the process when it cannot bind; report it as one line instead.
     finally:
         worker.stop(timeout=2.0 if worker.lost is not None else 30.0)
+    if exit_signals and worker.lost is None:
+        # as uvicorn would, under the handlers it restored: SIGTERM's exit status, and Ctrl-C
+        # the KeyboardInterrupt the CLI reports
+        signal.raise_signal(exit_signals[-1])
     if worker.lost is not None:
         if worker.thread.is_alive():
             # The engine thread waits inside a collective no other rank will join; it cannot

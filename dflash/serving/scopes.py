@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache_files import check_writable
+from ..console import log
 from ..errors import ServerConfigError
 from ..lookup import DEFAULT_BUDGET, ContinuationIndex
 from ..prompt_cache import DEFAULT_DISK_BYTES, DEFAULT_ENTRIES, PromptCache
@@ -168,10 +169,13 @@ class Scopes:
             self.prompt_cache_dir = self.prompt_cache_dir / f"rank-{rank}"
 
     def flush(self) -> None:
-        """Wait for the conversations being written to disk (at shutdown)."""
-        for scope in self.scopes():
-            if scope.prompt_cache is not None:
-                scope.prompt_cache.flush()
+        """Write the deferred conversations and wait for those being written (at shutdown)."""
+        if self.prompt_cache_dir is None:
+            return
+        written = sum(scope.prompt_cache.flush() for scope in self.scopes()
+                      if scope.prompt_cache is not None)
+        log(f"prompt cache: {written} conversation{'' if written == 1 else 's'} written to "
+            f"{self.prompt_cache_dir} at shutdown")
 
     def write_deferred(self) -> None:
         """Start writing every scope's queued replies to disk (the worker, when idle)."""
