@@ -115,6 +115,13 @@ class CacheEntry:
         return [i for i, c in enumerate(self.target) if isinstance(c, ArraysCache)]
 
 
+def _serves(longer: CacheEntry, shorter: CacheEntry) -> bool:
+    """Whether ``longer`` holds all of ``shorter``'s tokens and can go back to them."""
+    k = len(shorter.tokens)
+    return (len(longer.tokens) > k and _common_prefix(longer.tokens, np.asarray(shorter.tokens)) == k
+            and longer.usable(k) == k)
+
+
 def _common_prefix(a: list[int], b: np.ndarray) -> int:
     """How many leading tokens ``a`` and ``b`` share (numpy: prompts run to 100k tokens)."""
     n = min(len(a), len(b))
@@ -249,9 +256,14 @@ class PromptCache:
             return
         if persist:
             self.folder.save(self._fingerprint(parts, draft), entry)
-        if self.folder.queued:  # a queued entry memory no longer holds: written now
-            held = {id(e) for _, e in self._held()}
-            self.folder.write_queued(keep=lambda e: id(e) in held)
+        if self.folder.queued:
+            # A queued entry memory let go of is written now, unless an entry held serves all
+            # of it (this turn's prompt, stored before its reply: the reply's entry, queued
+            # when it ends, takes its place).
+            held = self.entries()
+            ids = {id(e) for e in held}
+            self.folder.write_queued(
+                keep=lambda e: id(e) in ids or any(_serves(h, e) for h in held))
 
     def _fingerprint(self, parts: TargetParts, draft) -> str:
         owner = _owner(parts, draft)

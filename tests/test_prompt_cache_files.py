@@ -135,7 +135,7 @@ def test_the_folder_stays_within_its_byte_budget(loaded_pair, tmp_path):
 def test_deferred_writes_wait_for_the_owner_and_keep_the_newest_turn(loaded_pair, tmp_path):
     """``defer_writes`` (the server's): a stored reply is written only when the owner says so,
     a later turn of the same conversation replaces the queued one, and an entry memory lets go
-    of is written at once (never lost, never held past the memory bound)."""
+    of is written at once (never lost) unless an entry held serves all of it."""
     model, tokenizer, draft = loaded_pair("llama")
     prompt, follow = turns(tokenizer)
     pc = PromptCache(directory=tmp_path / "a", defer_writes=True)
@@ -159,6 +159,35 @@ def test_deferred_writes_wait_for_the_owner_and_keep_the_newest_turn(loaded_pair
     assert len(files(tmp_path / "b")) == 1 and small.folder.queued == 1
     small.flush()  # what a server's shutdown does
     assert len(files(tmp_path / "b")) == 2 and small.folder.queued == 0
+
+
+def test_the_batched_engine_defers_to_the_end_of_a_conversation(loaded_pair, tmp_path):
+    """The server's engine stores each prompt before its reply (memory lets the previous
+    turn's entry go then): nothing is written while the conversation goes on, and its last
+    turn, prompt and reply, once the owner writes."""
+    from dflash.batch import BatchGenerator
+
+    model, tokenizer, draft = loaded_pair("llama")
+    prompt, follow = turns(tokenizer)
+    pc = PromptCache(directory=tmp_path, defer_writes=True)
+    engine = BatchGenerator(model, draft, tokenizer, max_batch=2, block_size=4, prompt_cache=pc)
+
+    def answer(ids):
+        uid, out = engine.insert(ids, max_tokens=12), []
+        while engine.active or engine.pending:
+            out += [t for e in engine.step() if e.uid == uid for t in e.tokens]
+        return out
+
+    history = prompt
+    for _ in range(3):
+        history = history + answer(history) + follow
+        assert files(tmp_path) == [] and pc.folder.queued == 1
+    pc.flush()
+    (saved,) = files(tmp_path)
+    again = PromptCache(directory=tmp_path)
+    reply = run(model, draft, tokenizer, history, again)
+    assert reply.stats.reused_prompt_tokens == len(history) - len(follow) - 1  # last one unfed
+    assert reply.tokens == run(model, draft, tokenizer, history).tokens
 
 
 def test_a_folder_that_cannot_be_written_is_named(tmp_path):

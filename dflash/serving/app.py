@@ -318,6 +318,7 @@ def build_app(server: Server):
 
     app = FastAPI(title="dflash", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(KeyCheck, keys=server.keys)
+    app.add_middleware(OpenRequests, worker=server.worker)
     _add_error_handlers(app)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
@@ -474,6 +475,24 @@ def _add_generation_routes(app, server: Server) -> None:
         except APIError as e:
             return _error("messages", e)
         return {"input_tokens": len(req.prompt_ids)}
+
+
+class OpenRequests:
+    """ASGI middleware: tells the worker while a POST is open (being read, templated, queued,
+    answered), so that it writes its deferred prompt cache files only when no request is on its
+    way (:meth:`~.worker.Worker.request_opened`)."""
+
+    def __init__(self, app, worker):
+        self.app, self.worker = app, worker
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        self.worker.request_opened()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.worker.request_closed()
 
 
 class KeyCheck:

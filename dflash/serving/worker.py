@@ -168,6 +168,7 @@ class Worker:
         self._lost_lock = threading.Lock()
         self._beat = time.monotonic()  # when the sharded engine last finished a step
         self._stopping = threading.Event()
+        self._open_requests, self._open_lock = 0, threading.Lock()  # POSTs open (the server)
 
     def start(self) -> Worker:
         """Start the thread and wait until the pair is loaded (re-raising a load error here)."""
@@ -363,14 +364,28 @@ class Worker:
             else:
                 self._run_alone(job)
 
+    def request_opened(self) -> None:
+        """An HTTP request has come in (called by the server for every POST)."""
+        with self._open_lock:
+            self._open_requests += 1
+
+    def request_closed(self) -> None:
+        with self._open_lock:
+            self._open_requests -= 1
+
     def _wait_for_job(self) -> Job | None:
-        """The next job, waited for; once nothing has come for :data:`IDLE_WRITE_S`, the
-        replies queued for the cache folder are written first (in this thread: MLX's)."""
-        try:
-            return self.jobs.get(timeout=IDLE_WRITE_S)
-        except queue.Empty:
-            self.scopes.write_deferred()
-            return self.jobs.get()
+        """The next job, waited for; once nothing has come for :data:`IDLE_WRITE_S` and no
+        request is open (a long agent prompt takes a while to template), the replies queued for
+        the cache folder are written first (in this thread: MLX's)."""
+        while True:
+            try:
+                return self.jobs.get(timeout=IDLE_WRITE_S)
+            except queue.Empty:
+                with self._open_lock:
+                    idle = self._open_requests == 0
+                if idle:
+                    self.scopes.write_deferred()
+                    return self.jobs.get()
 
     def _drop_running(self) -> None:
         for job in self.running.values():
