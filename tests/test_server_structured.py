@@ -229,18 +229,29 @@ XML_ARGS = {"type": "object", "properties": {
     "required": ["city", "days"], "additionalProperties": False}
 
 
-def test_strict_tools_in_the_xml_form_over_the_server(tiny_pair, tmp_path):
+# The call form of Mistral's templates (mlx-lm reads a template naming [TOOL_CALLS] as `mistral`).
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]"
+    "{{ c.function.arguments }}{% endfor %}</s>{% else %}{{ m.content }}</s>{% endif %}"
+    "{% endfor %}")
+
+
+@pytest.mark.parametrize("form", ["xml", "mistral"])
+def test_strict_tools_in_a_model_s_own_call_form_over_the_server(tiny_pair, tmp_path, form):
     """A target whose template writes Qwen3.5's XML call form (mlx-lm reads it as
-    ``qwen3_coder``): a random-weight target with ``strict`` and ``tool_choice`` "required"
-    makes a call mlx-lm's parser reads into arguments that validate, greedy and sampled."""
+    ``qwen3_coder``) or Mistral's (``mistral``): a random-weight target with ``strict`` and
+    ``tool_choice`` "required" makes a call mlx-lm's parser reads into arguments that validate,
+    greedy and sampled."""
     import shutil
 
     target, draft = tiny_pair(KIND)
-    xml_target = tmp_path / "xml-target"
+    xml_target = tmp_path / f"{form}-target"
     shutil.copytree(target, xml_target)
     config_file = xml_target / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] = XML_TEMPLATE
+    config["chat_template"] = XML_TEMPLATE if form == "xml" else MISTRAL_TEMPLATE
     config_file.write_text(json.dumps(config))
     tool = {"type": "function", "function": {"name": "get_weather", "strict": True,
                                              "parameters": XML_ARGS}}

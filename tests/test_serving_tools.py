@@ -526,3 +526,53 @@ def test_strict_tools_in_the_xml_form_of_qwen3_5(tool_tokenizer):
     with pytest.raises(APIError) as e:
         call_grammar(parse_tools([loose], "auto"), xml)
     assert e.value.param == "tools[0].function.parameters.properties.path"
+
+
+def test_strict_tools_in_mistral_s_call_form(tool_tokenizer):
+    """Mistral's call form (``[TOOL_CALLS]NAME[ARGS]{...}``, no closing tag; mlx-lm's
+    ``mistral`` parser): with ``strict``, only calls of offered tools match, a strict tool's
+    arguments on its schema, once a call has begun nothing but calls follow, and every call the
+    grammar admits parses into arguments that validate."""
+    import jsonschema
+    import llguidance
+
+    mistral = pytest.importorskip("mlx_lm.tool_parsers.mistral")
+    fmt = ToolFormat(mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call,
+                     native=True, json_form=False, header_form=True)
+    schema = {"type": "object", "properties": {
+        "path": {"type": "string"}, "lines": {"type": "integer", "minimum": 1}},
+        "required": ["path", "lines"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "open_file", "parameters": schema,
+                                             "strict": True}}
+
+    def matches(spec, text: str) -> bool:
+        bound = call_grammar(spec, fmt).bind(tool_tokenizer, len(tool_tokenizer.vocab))
+        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
+        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
+            and m.is_accepting()
+
+    auto = parse_tools([tool, WEATHER], "auto")
+    one = 'open_file[ARGS]{"path": "a b.py", "lines": 3}'
+    two = 'get_weather[ARGS]{"city": "Rome", "when": "now"}'  # not strict: any object
+    for calls in ([one], [two], [one, two]):
+        text = "Let me look." + "".join("[TOOL_CALLS]" + c for c in calls)
+        assert matches(auto, text), text
+        splitter = ToolCallSplitter(fmt, auto.rendered)
+        content, parsed = splitter.feed(text, final=True)
+        assert content == "Let me look." and [c["name"] for c in parsed] == \
+            [c.split("[")[0] for c in calls]
+        for c in parsed:
+            if c["name"] == "open_file":
+                jsonschema.validate(json.loads(c["arguments"]), schema)
+    assert matches(auto, "No call needed.")
+    bad = ['open_file[ARGS]{"lines": 3}',  # a required argument missing
+           'open_file[ARGS]{"path": "x", "lines": 0}',  # below the minimum
+           'open_file[ARGS]{"path": "x", "lines": 1, "extra": 2}',
+           'delete_all[ARGS]{}',
+           one + " and some text after it"]  # no closing tag: nothing but calls follows
+    for c in bad:
+        assert not matches(auto, "[TOOL_CALLS]" + c), c
+    required = parse_tools([tool], "required")  # the prompt ends with the opening tag
+    assert fmt.prefix(required) == "[TOOL_CALLS]"
+    assert matches(required, one)
+    assert not matches(required, "Sure.")

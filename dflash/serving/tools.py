@@ -38,6 +38,7 @@ from .reasoning import ThinkSplitter
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 JSON_PARSERS = ("json_tools",)  # mlx-lm parsers of the Hermes JSON form (a named prefix fits)
 XML_PARSERS = ("qwen3_coder",)  # mlx-lm parsers of the <function=...><parameter=...> form
+HEADER_PARSERS = ("mistral",)  # mlx-lm parsers of Mistral's [TOOL_CALLS]NAME[ARGS]{...} form
 CHOICES = ("auto", "none", "required")
 
 SYSTEM_PROMPT = """# Tools
@@ -207,11 +208,14 @@ class ToolFormat:
     native: bool  # the chat template renders tools itself
     json_form: bool  # the Hermes JSON form (a named call can be started in the prompt)
     xml_form: bool = False  # Qwen3-Coder's and Qwen3.5's <function=...><parameter=...> form
+    header_form: bool = False  # Mistral's NAME[ARGS]{...} after the opening tag, no closing one
 
     def prefix(self, spec: ToolSpec | None) -> str:
         """Text the answer starts with (put at the end of the prompt) for ``tool_choice``."""
         if spec is None or spec.choice in ("auto", "none"):
             return ""
+        if self.header_form:  # the call's name follows the tag directly
+            return self.start
         if spec.choice == "required" or not self.json_form or spec.constrained:
             # (Constrained: the grammar forces the call's name and its opening.)
             return self.start + "\n"
@@ -229,7 +233,7 @@ def tool_format(tokenizer) -> ToolFormat:
             getattr(tokenizer.tool_parser, "__module__", "").rsplit(".", 1)[-1]
         return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end,
                           tokenizer.tool_parser, native=True, json_form=kind in JSON_PARSERS,
-                          xml_form=kind in XML_PARSERS)
+                          xml_form=kind in XML_PARSERS, header_form=kind in HEADER_PARSERS)
     return ToolFormat(HERMES_START, HERMES_END, _hermes_parse, native=False, json_form=True)
 
 
@@ -238,16 +242,20 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
     call): with "auto", any text with calls of the offered tools in it; with "required" or a
     name, the answer (which starts after the call's opening tag the prompt ends with) is a call
     first. A strict tool's arguments match its ``parameters``; another tool's are any object.
-    Calls in the Hermes JSON form and in the XML form of Qwen3-Coder and Qwen3.5
-    (:func:`_xml_body`) are constrained; other forms are refused, naming the tool."""
+    Calls in the Hermes JSON form, in the XML form of Qwen3-Coder and Qwen3.5
+    (:func:`_xml_body`) and in Mistral's (:func:`_header_grammar`) are constrained; other forms
+    are refused, naming the tool."""
     if not spec.constrained:
         return None
+    if fmt.header_form:
+        return _lark(_header_grammar(spec, fmt))
     if not (fmt.json_form or fmt.xml_form):
         name = spec.strict[0]
         i = _tool_index(spec, name)
         raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: strict arguments need "
-                       f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}) or the "
-                       f"<function=...><parameter=...> form; this model's template writes calls "
+                       f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}), the "
+                       f"<function=...><parameter=...> form or Mistral's [TOOL_CALLS]NAME[ARGS] "
+                       f"form; this model's template writes calls "
                        f"as {fmt.start}...{fmt.end}; send the tool without strict",
                        param=f"tools[{i}].function.strict", code="unsupported_parameter")
     body = _xml_body(spec) if fmt.xml_form else _json_body(spec)
@@ -258,11 +266,35 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
             "TEXT: /(.|\\n)*/\n"
             f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
             f'call: call_head "\\n" body "\\n" {end}\n' + body)
+    return _lark(text)
+
+
+def _lark(text: str) -> Grammar:
     try:
         return Grammar.lark(text, field="tools")
     except GrammarError as e:
         raise APIError(400, f"tools: a strict tool's parameters cannot constrain decoding: {e}",
                        param="tools", code="invalid_value") from None
+
+
+def _header_grammar(spec: ToolSpec, fmt: ToolFormat) -> str:
+    """Mistral's form (mlx-lm's ``mistral`` parser): ``[TOOL_CALLS]NAME[ARGS]{...}``, one call
+    after another, each opened by the tag; there is no closing tag, so once a call starts the
+    answer is calls to its end. A strict tool's arguments are compact JSON on its
+    ``parameters``, another tool's any object."""
+    bodies = []
+    for t in spec.rendered:
+        fn = t["function"]
+        args = fn["parameters"] if fn["name"] in spec.strict else {"type": "object"}
+        args = dict(args, **{"x-guidance": WHITESPACE["compact"]})
+        bodies.append(f"{json.dumps(fn['name'] + '[ARGS]')} %json {json.dumps(args)}")
+    start = json.dumps(fmt.start)
+    calls = f"body ({start} body)*"
+    head = calls if spec.choice != "auto" else f"TEXT | call_head {calls}"
+    return (f"start: {head}\n"
+            "TEXT: /(.|\\n)*/\n"
+            f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
+            f"body: {' | '.join(bodies)}\n")
 
 
 def _tool_index(spec: ToolSpec, name: str) -> int:
