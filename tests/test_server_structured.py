@@ -238,10 +238,21 @@ MISTRAL_TEMPLATE = (
     "{% endfor %}")
 
 
-@pytest.mark.parametrize("form", ["xml", "mistral"])
+# GLM-4.5's and GLM-4.7's call form (mlx-lm reads a template naming <arg_key> as `glm47`).
+GLM_TEMPLATE = (
+    "{%- if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call a tool as:\n<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V"
+    "</arg_value>\n</tool_call>{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TEMPLATES = {"xml": XML_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "glm": GLM_TEMPLATE}
+
+
+@pytest.mark.parametrize("form", list(TEMPLATES))
 def test_strict_tools_in_a_model_s_own_call_form_over_the_server(tiny_pair, tmp_path, form):
     """A target whose template writes Qwen3.5's XML call form (mlx-lm reads it as
-    ``qwen3_coder``) or Mistral's (``mistral``): a random-weight target with ``strict`` and
+    ``qwen3_coder``), Mistral's (``mistral``) or GLM's (``glm47``): a random-weight target with
+    ``strict`` and
     ``tool_choice`` "required" makes a call mlx-lm's parser reads into arguments that validate,
     greedy and sampled."""
     import shutil
@@ -251,7 +262,7 @@ def test_strict_tools_in_a_model_s_own_call_form_over_the_server(tiny_pair, tmp_
     shutil.copytree(target, xml_target)
     config_file = xml_target / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] = XML_TEMPLATE if form == "xml" else MISTRAL_TEMPLATE
+    config["chat_template"] = TEMPLATES[form]
     config_file.write_text(json.dumps(config))
     tool = {"type": "function", "function": {"name": "get_weather", "strict": True,
                                              "parameters": XML_ARGS}}
@@ -259,7 +270,7 @@ def test_strict_tools_in_a_model_s_own_call_form_over_the_server(tiny_pair, tmp_
         client = openai.OpenAI(base_url=f"{s['base']}/v1", api_key="none", max_retries=0)
         for temperature in (0.0, 1.0):
             r = client.chat.completions.create(
-                model=MODEL_NAME, messages=chat("Weather in Rome?"), max_tokens=48,
+                model=MODEL_NAME, messages=chat("Weather in Rome?"), max_tokens=96,
                 temperature=temperature, tools=[tool], tool_choice="required")
             calls = r.choices[0].message.tool_calls
             assert calls and calls[0].function.name == "get_weather", r.choices[0]

@@ -564,6 +564,11 @@ def test_strict_tools_in_mistral_s_call_form(tool_tokenizer):
         for c in parsed:
             if c["name"] == "open_file":
                 jsonschema.validate(json.loads(c["arguments"]), schema)
+    # an answer cut inside its second call (no closing tag): the first call still counts
+    cut = '[TOOL_CALLS]get_weather[ARGS]{"city": "Ro'
+    content, parsed = ToolCallSplitter(fmt, auto.rendered).feed("[TOOL_CALLS]" + one + cut,
+                                                                final=True)
+    assert [c["name"] for c in parsed] == ["open_file"] and content == cut
     assert matches(auto, "No call needed.")
     bad = ['open_file[ARGS]{"lines": 3}',  # a required argument missing
            'open_file[ARGS]{"path": "x", "lines": 0}',  # below the minimum
@@ -575,4 +580,68 @@ def test_strict_tools_in_mistral_s_call_form(tool_tokenizer):
     required = parse_tools([tool], "required")  # the prompt ends with the opening tag
     assert fmt.prefix(required) == "[TOOL_CALLS]"
     assert matches(required, one)
+    assert not matches(required, "Sure.")
+
+
+def test_strict_tools_in_glm_s_call_form(tool_tokenizer):
+    """GLM-4.5's and GLM-4.7's call form (``<tool_call>NAME`` then ``<arg_key>K</arg_key>``
+    ``<arg_value>V</arg_value>`` pairs, mlx-lm's ``glm47`` parser): with ``strict``, only calls
+    of offered tools match, with the required arguments and values the parser reads back as the
+    schema's types, and every call the grammar admits parses into arguments that validate."""
+    import jsonschema
+    import llguidance
+
+    glm47 = pytest.importorskip("mlx_lm.tool_parsers.glm47")
+    fmt = ToolFormat(glm47.tool_call_start, glm47.tool_call_end, glm47.parse_tool_call,
+                     native=True, json_form=False, arg_key_form=True)
+    schema = {"type": "object", "properties": {
+        "path": {"type": "string"},
+        "mode": {"type": "string", "enum": ["read", "write"]},
+        "lines": {"type": "integer", "minimum": 1},
+        "options": {"type": "object", "properties": {"force": {"type": "boolean"}},
+                    "required": ["force"], "additionalProperties": False}},
+        "required": ["path", "lines"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "open_file", "parameters": schema,
+                                             "strict": True}}
+
+    def arg(name, value):
+        return f"<arg_key>{name}</arg_key>\n<arg_value>{value}</arg_value>\n"
+
+    def call(*args, name="open_file"):
+        return f"{name}\n" + "".join(args)
+
+    def matches(spec, text: str) -> bool:
+        bound = call_grammar(spec, fmt).bind(tool_tokenizer, len(tool_tokenizer.vocab))
+        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
+        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
+            and m.is_accepting()
+
+    auto = parse_tools([tool, WEATHER], "auto")
+    good = [call(arg("path", "a b.py"), arg("lines", 3)),
+            call(arg("path", "multi\nline text"), arg("mode", "write"), arg("lines", 12),
+                 arg("options", '{"force": true}')),
+            call(arg("city", "Rome"), name="get_weather")]  # not strict: any arguments
+    for c in good:
+        text = f"Let me.\n<tool_call>{c}</tool_call>"
+        assert matches(auto, text), text
+        splitter = ToolCallSplitter(fmt, auto.rendered)
+        content, (parsed,) = splitter.feed(text, final=True)
+        assert content == "Let me." and parsed["name"] == c.split("\n")[0]
+        if parsed["name"] == "open_file":
+            arguments = json.loads(parsed["arguments"])
+            jsonschema.validate(arguments, schema)
+            assert arguments["path"] in ("a b.py", "multi\nline text")
+    assert matches(auto, "No call needed.")
+    bad = [call(arg("lines", 3)),  # a required argument missing
+           call(arg("path", "x"), arg("lines", "three")),
+           call(arg("path", "x"), arg("lines", 0)),  # below the minimum
+           call(arg("path", "x"), arg("mode", "append"), arg("lines", 1)),
+           call(arg("path", "x"), arg("lines", 1), arg("options", '{"force": 1}')),
+           call(arg("path", "x"), arg("lines", 1), arg("extra", "y")),
+           call(arg("x", "y"), name="delete_all")]
+    for c in bad:
+        assert not matches(auto, f"<tool_call>{c}</tool_call>"), c
+    required = parse_tools([tool], "required")  # the prompt ends with the opening tag
+    assert fmt.prefix(required) == "<tool_call>"
+    assert matches(required, f"{good[0]}</tool_call>")
     assert not matches(required, "Sure.")

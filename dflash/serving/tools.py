@@ -38,6 +38,7 @@ from .reasoning import ThinkSplitter
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 JSON_PARSERS = ("json_tools",)  # mlx-lm parsers of the Hermes JSON form (a named prefix fits)
 XML_PARSERS = ("qwen3_coder",)  # mlx-lm parsers of the <function=...><parameter=...> form
+ARG_KEY_PARSERS = ("glm47",)  # mlx-lm parsers of GLM's NAME<arg_key>K</arg_key><arg_value>V form
 HEADER_PARSERS = ("mistral",)  # mlx-lm parsers of Mistral's [TOOL_CALLS]NAME[ARGS]{...} form
 CHOICES = ("auto", "none", "required")
 
@@ -209,12 +210,13 @@ class ToolFormat:
     json_form: bool  # the Hermes JSON form (a named call can be started in the prompt)
     xml_form: bool = False  # Qwen3-Coder's and Qwen3.5's <function=...><parameter=...> form
     header_form: bool = False  # Mistral's NAME[ARGS]{...} after the opening tag, no closing one
+    arg_key_form: bool = False  # GLM-4.5/4.7's NAME, then <arg_key>K</arg_key><arg_value>V pairs
 
     def prefix(self, spec: ToolSpec | None) -> str:
         """Text the answer starts with (put at the end of the prompt) for ``tool_choice``."""
         if spec is None or spec.choice in ("auto", "none"):
             return ""
-        if self.header_form:  # the call's name follows the tag directly
+        if self.header_form or self.arg_key_form:  # the call's name follows the tag directly
             return self.start
         if spec.choice == "required" or not self.json_form or spec.constrained:
             # (Constrained: the grammar forces the call's name and its opening.)
@@ -233,7 +235,8 @@ def tool_format(tokenizer) -> ToolFormat:
             getattr(tokenizer.tool_parser, "__module__", "").rsplit(".", 1)[-1]
         return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end,
                           tokenizer.tool_parser, native=True, json_form=kind in JSON_PARSERS,
-                          xml_form=kind in XML_PARSERS, header_form=kind in HEADER_PARSERS)
+                          xml_form=kind in XML_PARSERS, header_form=kind in HEADER_PARSERS,
+                          arg_key_form=kind in ARG_KEY_PARSERS)
     return ToolFormat(HERMES_START, HERMES_END, _hermes_parse, native=False, json_form=True)
 
 
@@ -242,30 +245,36 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
     call): with "auto", any text with calls of the offered tools in it; with "required" or a
     name, the answer (which starts after the call's opening tag the prompt ends with) is a call
     first. A strict tool's arguments match its ``parameters``; another tool's are any object.
-    Calls in the Hermes JSON form, in the XML form of Qwen3-Coder and Qwen3.5
-    (:func:`_xml_body`) and in Mistral's (:func:`_header_grammar`) are constrained; other forms
-    are refused, naming the tool."""
+    Calls in the Hermes JSON form, in the XML form of Qwen3-Coder and Qwen3.5 and GLM's
+    (:func:`_param_body`) and in Mistral's (:func:`_header_grammar`) are constrained; other
+    forms are refused, naming the tool."""
     if not spec.constrained:
         return None
     if fmt.header_form:
         return _lark(_header_grammar(spec, fmt))
-    if not (fmt.json_form or fmt.xml_form):
+    if not (fmt.json_form or fmt.xml_form or fmt.arg_key_form):
         name = spec.strict[0]
         i = _tool_index(spec, name)
         raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: strict arguments need "
                        f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}), the "
-                       f"<function=...><parameter=...> form or Mistral's [TOOL_CALLS]NAME[ARGS] "
-                       f"form; this model's template writes calls "
+                       f"<function=...><parameter=...> form, GLM's <arg_key> form or Mistral's "
+                       f"[TOOL_CALLS]NAME[ARGS] form; this model's template writes calls "
                        f"as {fmt.start}...{fmt.end}; send the tool without strict",
                        param=f"tools[{i}].function.strict", code="unsupported_parameter")
-    body = _xml_body(spec) if fmt.xml_form else _json_body(spec)
+    if fmt.json_form:
+        body = _json_body(spec)
+    else:
+        body = _param_body(spec, XML_TAGS if fmt.xml_form else ARG_KEY_TAGS)
     start, end = json.dumps(fmt.start), json.dumps(fmt.end)
-    first = "" if spec.choice == "auto" else f'body "\\n" {end} '
+    # the Hermes and XML forms put the call on lines of its own; GLM's name follows the tag,
+    # and its last value's line ends before the closing one
+    after, before = ("", "") if fmt.arg_key_form else ('"\\n" ', '"\\n" ')
+    first = "" if spec.choice == "auto" else f"body {before}{end} "
     text = (f"start: {first}call* tail\n"
             "tail: TEXT\n"
             "TEXT: /(.|\\n)*/\n"
             f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
-            f'call: call_head "\\n" body "\\n" {end}\n' + body)
+            f"call: call_head {after}body {before}{end}\n" + body)
     return _lark(text)
 
 
@@ -313,46 +322,67 @@ def _json_body(spec: ToolSpec) -> str:
     return f"body: %json {json.dumps(body)}\n"
 
 
-# How mlx-lm's qwen3_coder parser reads a parameter's text: as it is for these types, as JSON
-# (or a Python literal) for the others.
+# How mlx-lm's qwen3_coder and glm47 parsers read a parameter's text: as it is for these types,
+# as JSON (or a Python literal) for the others.
 XML_TEXT_TYPES = ("string",)
 XML_JSON_TYPES = ("integer", "number", "boolean", "object", "array")
 
 
-def _xml_body(spec: ToolSpec) -> str:
-    """``body``: one call in the XML form, ``<function=NAME>`` then one ``<parameter=P>`` block
-    per argument (its text on lines of its own) and ``</function>``. A strict tool's parameters
-    come in its schema's order, the required ones always, each value as the parser reads it back
-    into the schema's type (text for strings; compact JSON on its schema for the rest); another
-    tool's are any parameters with any text."""
+@dataclass(frozen=True)
+class ParamTags:
+    """How a call form writes a call as a name and one block per parameter."""
+
+    head: str  # the call's opening, with {name}
+    tail: str  # after its last parameter
+    open: str  # a parameter's block up to its value, with {name}
+    close: str  # after the value
+    any_param: str  # a regex for any parameter's block (a tool without strict)
+
+
+# Qwen3-Coder's and Qwen3.5's (mlx-lm's qwen3_coder parser): each value on lines of its own
+XML_TAGS = ParamTags("<function={name}>\n", "</function>", "<parameter={name}>\n",
+                     "\n</parameter>\n", "<parameter=[^\\s<>]+>\\n(.|\\n)*\\n<\\/parameter>\\n")
+# GLM-4.5's and GLM-4.7's (mlx-lm's glm47 parser, which strips each value)
+ARG_KEY_TAGS = ParamTags("{name}\n", "", "<arg_key>{name}</arg_key>\n<arg_value>",
+                         "</arg_value>\n",
+                         "<arg_key>[^<>]+<\\/arg_key>\\n<arg_value>(.|\\n)*<\\/arg_value>\\n")
+
+
+def _param_body(spec: ToolSpec, tags: ParamTags) -> str:
+    """``body``: one call in a name-and-parameters form (``tags``; in the XML form
+    ``<function=NAME>``, one ``<parameter=P>`` block per argument, ``</function>``). A strict
+    tool's parameters come in its schema's order, the required ones always, each value as the
+    parser reads it back into the schema's type (text for strings; compact JSON on its schema
+    for the rest); another tool's are any parameters with any text."""
     rules, bodies = [], []
+    tail = f" {json.dumps(tags.tail)}" if tags.tail else ""
     for k, t in enumerate(spec.rendered):
         fn = t["function"]
-        head = json.dumps(f"<function={fn['name']}>\n")
+        head = json.dumps(tags.head.format(name=fn["name"]))
         if fn["name"] not in spec.strict:
             bodies.append(f"fn{k}")
-            rules.append(f'fn{k}: {head} any_param* "</function>"')
+            rules.append(f"fn{k}: {head} any_param*{tail}")
             continue
         params, defs = fn["parameters"], fn["parameters"].get("$defs")
         required = set(params.get("required", []))
         parts = []
         for j, (name, schema) in enumerate(params.get("properties", {}).items()):
             rule = f"p{k}_{j}"
-            value = _xml_value(schema, defs, spec, fn["name"], name)
+            value = _param_value(schema, defs, spec, fn["name"], name)
             # Free text cannot be a lexeme of its own (it never ends): the whole block is one,
             # lazy, ending at the first closing tag.
             lazy = "[lazy]" if value == "TEXT" else ""
-            rules.append(f'{rule}{lazy}: {json.dumps(f"<parameter={name}>")} "\\n" {value} '
-                         '"\\n</parameter>\\n"')
+            rules.append(f"{rule}{lazy}: {json.dumps(tags.open.format(name=name))} {value} "
+                         f"{json.dumps(tags.close)}")
             parts.append(rule if name in required else f"{rule}?")
         bodies.append(f"fn{k}")
-        rules.append(f'fn{k}: {head} {" ".join(parts)} "</function>"')
-    rules.append("any_param[lazy]: /<parameter=[^\\s<>]+>\\n(.|\\n)*\\n<\\/parameter>\\n/")
+        rules.append(f'fn{k}: {head} {" ".join(parts)}{tail}')
+    rules.append(f"any_param[lazy]: /{tags.any_param}/")
     return f"body: {' | '.join(bodies)}\n" + "\n".join(rules) + "\n"
 
 
-def _xml_value(schema: dict, defs: dict | None, spec: ToolSpec, tool: str, name: str) -> str:
-    """The grammar of one parameter's text (see :func:`_xml_body`); a 400 naming the parameter
+def _param_value(schema: dict, defs: dict | None, spec: ToolSpec, tool: str, name: str) -> str:
+    """The grammar of one parameter's text (see :func:`_param_body`); a 400 naming the parameter
     where the parser could not read a constrained text back as the schema says."""
     kind = schema.get("type")
     if kind in XML_TEXT_TYPES and set(schema) <= {"type", "description", "title"}:
@@ -365,7 +395,7 @@ def _xml_value(schema: dict, defs: dict | None, spec: ToolSpec, tool: str, name:
         return f"%json {json.dumps(dict(sub, **{'x-guidance': WHITESPACE['compact']}))}"
     i = _tool_index(spec, tool)
     param = f"tools[{i}].function.parameters.properties.{name}"
-    raise APIError(400, f"{param}: a strict tool's parameter in the <parameter=...> form must "
+    raise APIError(400, f"{param}: a strict tool's parameter in this model's call form must "
                    f"have one type of {', '.join(XML_TEXT_TYPES + XML_JSON_TYPES)} (a string "
                    "with at most an enum): the parser reads other text back differently",
                    param=param, code="invalid_value")
@@ -477,12 +507,14 @@ class ToolCallSplitter:
                 self.space = before[len(before.rstrip()):]  # dropped if the call parses
                 self.buf = self.buf[i:]
                 self.in_call = True
-            # No closing tag (Mistral's form): the call runs to the end of the answer.
-            j = self.buf.find(self.fmt.end, len(self.fmt.start)) if self.fmt.end else -1
+            if self.fmt.end:
+                j, close = self.buf.find(self.fmt.end, len(self.fmt.start)), len(self.fmt.end)
+            else:  # no closing tag (Mistral's form): a call runs to the next one, or the end
+                j, close = self.buf.find(self.fmt.start, len(self.fmt.start)), 0
             if j < 0 and not final:
                 break
             body = self.buf[len(self.fmt.start):j if j >= 0 else len(self.buf)]
-            raw = self.buf[:j + len(self.fmt.end)] if j >= 0 else self.buf
+            raw = self.buf[:j + close] if j >= 0 else self.buf
             self.buf = self.buf[len(raw):]
             self.in_call = False
             parsed = self._parse(body)
