@@ -645,3 +645,21 @@ def test_strict_tools_in_glm_s_call_form(tool_tokenizer):
     assert fmt.prefix(required) == "<tool_call>"
     assert matches(required, f"{good[0]}</tool_call>")
     assert not matches(required, "Sure.")
+
+
+def test_strict_tools_are_refused_where_the_call_tags_are_special_tokens(tool_tokenizer):
+    """A grammar's quoted text never matches a special token, so a form whose tags the model
+    writes as special tokens (Mistral's tekken [TOOL_CALLS], say) would have its calls spelled
+    out in plain text: refused with a 400 naming the tool instead."""
+    from dflash.serving.tools import special_tags
+
+    assert special_tags(tool_tokenizer, {"<|im_start|>", "<tool_call>", ""}) == {"<|im_start|>"}
+    mistral = pytest.importorskip("mlx_lm.tool_parsers.mistral")
+    fmt = ToolFormat("<|im_start|>", "", mistral.parse_tool_call, native=True, json_form=False,
+                     header_form=True, special=frozenset({"<|im_start|>"}))
+    tool = {"type": "function", "function": {"name": "open_file", "strict": True,
+                                             "parameters": {"type": "object"}}}
+    with pytest.raises(APIError) as e:
+        call_grammar(parse_tools([WEATHER, tool], "auto"), fmt)
+    assert e.value.param == "tools[1].function.strict" and "<|im_start|>" in str(e.value)
+    assert call_grammar(parse_tools([WEATHER], "auto"), fmt) is None  # nothing strict: no grammar

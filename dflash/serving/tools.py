@@ -211,6 +211,9 @@ class ToolFormat:
     xml_form: bool = False  # Qwen3-Coder's and Qwen3.5's <function=...><parameter=...> form
     header_form: bool = False  # Mistral's NAME[ARGS]{...} after the opening tag, no closing one
     arg_key_form: bool = False  # GLM-4.5/4.7's NAME, then <arg_key>K</arg_key><arg_value>V pairs
+    # Its tags the tokenizer holds as special tokens: a grammar's quoted text never matches one
+    # (llguidance), so strict calls in such a form are refused rather than spelled out in text.
+    special: frozenset[str] = frozenset()
 
     def prefix(self, spec: ToolSpec | None) -> str:
         """Text the answer starts with (put at the end of the prompt) for ``tool_choice``."""
@@ -233,11 +236,28 @@ def tool_format(tokenizer) -> ToolFormat:
     if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
         kind = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type") or \
             getattr(tokenizer.tool_parser, "__module__", "").rsplit(".", 1)[-1]
-        return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end,
-                          tokenizer.tool_parser, native=True, json_form=kind in JSON_PARSERS,
-                          xml_form=kind in XML_PARSERS, header_form=kind in HEADER_PARSERS,
-                          arg_key_form=kind in ARG_KEY_PARSERS)
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        tags = {start, end, *FORM_TAGS.get(kind, ())}
+        return ToolFormat(start, end, tokenizer.tool_parser, native=True,
+                          json_form=kind in JSON_PARSERS, xml_form=kind in XML_PARSERS,
+                          header_form=kind in HEADER_PARSERS,
+                          arg_key_form=kind in ARG_KEY_PARSERS,
+                          special=special_tags(tokenizer, tags))
     return ToolFormat(HERMES_START, HERMES_END, _hermes_parse, native=False, json_form=True)
+
+
+# The tags inside a call of each form, besides its opening and closing ones.
+FORM_TAGS = {"mistral": ("[ARGS]",),
+             "glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+
+
+def special_tags(tokenizer, tags) -> frozenset[str]:
+    """Which of ``tags`` the tokenizer (mlx-lm's wrapper or Hugging Face's) holds as special
+    tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    special = {t.content for t in added.values() if getattr(t, "special", False)}
+    return frozenset(t for t in tags if t and t in special)
 
 
 def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
@@ -250,6 +270,14 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
     forms are refused, naming the tool."""
     if not spec.constrained:
         return None
+    if fmt.special:
+        name = spec.strict[0]
+        i = _tool_index(spec, name)
+        raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: this model writes "
+                       f"{', '.join(sorted(fmt.special))} of its tool calls as special tokens, "
+                       "which strict tool grammars do not constrain; send the tool without "
+                       "strict", param=f"tools[{i}].function.strict",
+                       code="unsupported_parameter")
     if fmt.header_form:
         return _lark(_header_grammar(spec, fmt))
     if not (fmt.json_form or fmt.xml_form or fmt.arg_key_form):
