@@ -271,24 +271,17 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
     if not spec.constrained:
         return None
     if fmt.special:
-        name = spec.strict[0]
-        i = _tool_index(spec, name)
-        raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: this model writes "
-                       f"{', '.join(sorted(fmt.special))} of its tool calls as special tokens, "
-                       "which strict tool grammars do not constrain; send the tool without "
-                       "strict", param=f"tools[{i}].function.strict",
-                       code="unsupported_parameter")
+        raise _strict_refused(spec, f"this model writes {', '.join(sorted(fmt.special))} of "
+                              "its tool calls as special tokens, which strict tool grammars "
+                              "do not constrain")
     if fmt.header_form:
         return _lark(_header_grammar(spec, fmt))
     if not (fmt.json_form or fmt.xml_form or fmt.arg_key_form):
-        name = spec.strict[0]
-        i = _tool_index(spec, name)
-        raise APIError(400, f"tools[{i}].function.strict: tool {name!r}: strict arguments need "
-                       f"the JSON tool-call form ({HERMES_START} JSON {HERMES_END}), the "
-                       f"<function=...><parameter=...> form, GLM's <arg_key> form or Mistral's "
-                       f"[TOOL_CALLS]NAME[ARGS] form; this model's template writes calls "
-                       f"as {fmt.start}...{fmt.end}; send the tool without strict",
-                       param=f"tools[{i}].function.strict", code="unsupported_parameter")
+        raise _strict_refused(spec, f"strict arguments need the JSON tool-call form "
+                              f"({HERMES_START} JSON {HERMES_END}), the "
+                              "<function=...><parameter=...> form, GLM's <arg_key> form or "
+                              "Mistral's [TOOL_CALLS]NAME[ARGS] form; this model's template "
+                              f"writes calls as {fmt.start}...{fmt.end}")
     if fmt.json_form:
         body = _json_body(spec)
     else:
@@ -304,6 +297,15 @@ def call_grammar(spec: ToolSpec, fmt: ToolFormat) -> Grammar | None:
             f"call_head[lazy]: TEXT {start}\n"  # any text until the opening tag
             f"call: call_head {after}body {before}{end}\n" + body)
     return _lark(text)
+
+
+def _strict_refused(spec: ToolSpec, reason: str) -> APIError:
+    """The 400 for a request whose first strict tool cannot be constrained, naming it."""
+    name = spec.strict[0]
+    i = _tool_index(spec, name)
+    return APIError(400, f"tools[{i}].function.strict: tool {name!r}: {reason}; send the tool "
+                    "without strict", param=f"tools[{i}].function.strict",
+                    code="unsupported_parameter")
 
 
 def _lark(text: str) -> Grammar:
