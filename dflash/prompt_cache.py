@@ -142,7 +142,8 @@ class PromptCache:
     (:mod:`dflash.cache_files`). :meth:`save` / :meth:`load` do the same at chosen moments.
     ``defer_writes``: a stored reply is only queued for the folder, and written when the owner
     calls :meth:`write_deferred` (the server: when it has been idle a moment), :meth:`flush`,
-    or when the entry leaves memory; so a write never competes with the next turn's prefill."""
+    or when memory lets the entry go (unless an entry held serves all of it); so a write never
+    competes with the next turn's prefill."""
 
     def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_bytes: int | None = None,
                  directory: str | Path | None = None,
