@@ -8,6 +8,7 @@ the memory rule of ``--max-concurrency``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -36,6 +37,15 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 HERMES = ToolFormat(HERMES_START, HERMES_END, lambda text, tools=None: json.loads(text),
                     native=False, json_form=True)
+
+def admits(tokenizer, fmt: ToolFormat, spec, text: str) -> bool:
+    """Whether the call grammar of ``spec`` in ``fmt`` accepts ``text`` as a whole answer."""
+    import llguidance
+
+    bound = call_grammar(spec, fmt).bind(tokenizer, len(tokenizer.vocab))
+    m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
+    return m.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
 
 
 def rejected(tools, choice=None) -> APIError:
@@ -429,16 +439,11 @@ def test_strict_tools_grammar_admits_text_and_valid_calls_only(tool_tokenizer):
     """The call grammar of ``strict`` tools over a real tokenizer: free text and valid calls
     match, a call of an unknown tool or with arguments off the schema does not; non-JSON call
     forms and tools without ``strict`` get no grammar."""
-    import llguidance
 
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
     good = json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}})
 
-    def matches(spec, text: str) -> bool:
-        bound = call_grammar(spec, HERMES).bind(tool_tokenizer, len(tool_tokenizer.vocab))
-        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
-        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
-            and m.is_accepting()
+    matches = functools.partial(admits, tool_tokenizer, HERMES)
 
     auto = parse_tools([strict], "auto")
     assert matches(auto, "No call needed.")
@@ -468,7 +473,6 @@ def test_strict_tools_in_the_xml_form_of_qwen3_5(tool_tokenizer):
     the grammar admits parses into arguments that validate; a parameter whose text the parser
     would read back differently is a 400 naming it."""
     import jsonschema
-    import llguidance
 
     qwen3_coder = pytest.importorskip("mlx_lm.tool_parsers.qwen3_coder")
     xml = ToolFormat(qwen3_coder.tool_call_start, qwen3_coder.tool_call_end,
@@ -489,11 +493,7 @@ def test_strict_tools_in_the_xml_form_of_qwen3_5(tool_tokenizer):
     def call(*blocks, name="open_file"):
         return f"<function={name}>\n" + "".join(blocks) + "</function>"
 
-    def matches(spec, text: str) -> bool:
-        bound = call_grammar(spec, xml).bind(tool_tokenizer, len(tool_tokenizer.vocab))
-        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
-        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
-            and m.is_accepting()
+    matches = functools.partial(admits, tool_tokenizer, xml)
 
     auto = parse_tools([tool, WEATHER], "auto")
     good = [call(block("path", "a b.py"), block("lines", 3)),
@@ -534,7 +534,6 @@ def test_strict_tools_in_mistral_s_call_form(tool_tokenizer):
     arguments on its schema, once a call has begun nothing but calls follow, and every call the
     grammar admits parses into arguments that validate."""
     import jsonschema
-    import llguidance
 
     mistral = pytest.importorskip("mlx_lm.tool_parsers.mistral")
     fmt = ToolFormat(mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call,
@@ -545,11 +544,7 @@ def test_strict_tools_in_mistral_s_call_form(tool_tokenizer):
     tool = {"type": "function", "function": {"name": "open_file", "parameters": schema,
                                              "strict": True}}
 
-    def matches(spec, text: str) -> bool:
-        bound = call_grammar(spec, fmt).bind(tool_tokenizer, len(tool_tokenizer.vocab))
-        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
-        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
-            and m.is_accepting()
+    matches = functools.partial(admits, tool_tokenizer, fmt)
 
     auto = parse_tools([tool, WEATHER], "auto")
     one = 'open_file[ARGS]{"path": "a b.py", "lines": 3}'
@@ -589,7 +584,6 @@ def test_strict_tools_in_glm_s_call_form(tool_tokenizer):
     of offered tools match, with the required arguments and values the parser reads back as the
     schema's types, and every call the grammar admits parses into arguments that validate."""
     import jsonschema
-    import llguidance
 
     glm47 = pytest.importorskip("mlx_lm.tool_parsers.glm47")
     fmt = ToolFormat(glm47.tool_call_start, glm47.tool_call_end, glm47.parse_tool_call,
@@ -610,11 +604,7 @@ def test_strict_tools_in_glm_s_call_form(tool_tokenizer):
     def call(*args, name="open_file"):
         return f"{name}\n" + "".join(args)
 
-    def matches(spec, text: str) -> bool:
-        bound = call_grammar(spec, fmt).bind(tool_tokenizer, len(tool_tokenizer.vocab))
-        m = llguidance.LLMatcher(bound.tokenizer, bound.grammar.spec)
-        return m.consume_tokens(tool_tokenizer.encode(text, add_special_tokens=False)) \
-            and m.is_accepting()
+    matches = functools.partial(admits, tool_tokenizer, fmt)
 
     auto = parse_tools([tool, WEATHER], "auto")
     good = [call(arg("path", "a b.py"), arg("lines", 3)),
